@@ -1,0 +1,1 @@
+"""specdecode shared library: data model, model runner, sampling, devices, telemetry."""

@@ -1,0 +1,143 @@
+"""The data model every component speaks, mirroring vLLM 0.4.2's `vllm.sequence`.
+
+Only what speculative decoding needs is kept: one sequence per group (no beam search),
+no block tables (each service keeps its own KV cache keyed by `cache_id`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+SeqId = int
+TokenId = int
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a client; `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = whole vocabulary
+    top_p: float = 1.0  # in (0, 1]
+    seed: int | None = None  # None = nondeterministic
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if not self.temperature >= 0.0:  # also catches NaN
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"ids {bad} outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass
+class SequenceData:
+    """The token ids of one sequence: its prompt and what was generated so far."""
+
+    prompt_token_ids: list[TokenId]
+    output_token_ids: list[TokenId] = field(default_factory=list)
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[TokenId]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def get_last_token_id(self) -> TokenId:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """One sequence of one request, as a step sees it."""
+
+    request_id: str
+    is_prompt: bool  # True until the sequence has its first generated token
+    seq_data: dict[SeqId, SequenceData]  # exactly one entry (no beam search)
+    sampling_params: SamplingParams
+    # Sequence id whose KV cache this sequence may read (the analogue of the seed's
+    # block_tables): an expanded target sequence reads its parent's cache.
+    # None = its own sequence id.
+    cache_id: SeqId | None = None
+    # Speculation length for this sequence; None = the request's num_lookahead_slots.
+    num_speculative_tokens: int | None = None
+
+    @property
+    def seq_id(self) -> SeqId:
+        (seq_id,) = self.seq_data
+        return seq_id
+
+    @property
+    def data(self) -> SequenceData:
+        return self.seq_data[self.seq_id]
+
+    @property
+    def kv_cache_id(self) -> SeqId:
+        return self.seq_id if self.cache_id is None else self.cache_id
+
+
+@dataclass
+class ExecuteModelRequest:
+    """One step's batch."""
+
+    seq_group_metadata_list: list[SequenceGroupMetadata]
+    num_lookahead_slots: int = 0  # k: speculative tokens per sequence this step
+
+    def clone(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> ExecuteModelRequest:
+        return dataclasses.replace(self, seq_group_metadata_list=seq_group_metadata_list)
+
+    def validate(self, vocab_size: int, max_model_len: int) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if self.num_lookahead_slots < 0:
+            raise InvalidRequestError(
+                "num_lookahead_slots", f"must be >= 0, got {self.num_lookahead_slots}")
+        for i, sg in enumerate(self.seq_group_metadata_list):
+            where = f"seq_group_metadata_list[{i}]"
+            if len(sg.seq_data) != 1:
+                raise InvalidRequestError(f"{where}.seq_data", "must hold exactly one sequence")
+            data = sg.data
+            if not data.prompt_token_ids:
+                raise InvalidRequestError(f"{where}.prompt_token_ids", "must not be empty")
+            bad = [t for t in data.get_token_ids() if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{where}.token_ids",
+                    f"ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+            if data.get_len() >= max_model_len:
+                raise InvalidRequestError(
+                    f"{where}.token_ids",
+                    f"length {data.get_len()} is at or over the max model length {max_model_len}")
+            sg.sampling_params.validate(vocab_size)
+
+
+@dataclass
+class SamplerOutput:
+    """Target (or draft) model output for N single-query rows."""
+
+    sampled_token_ids: torch.Tensor  # [N] long
+    sampled_token_probs: torch.Tensor | None  # [N, V] float32, None when not asked for
+    logprobs: torch.Tensor | None  # [N, V] float32, None when not asked for
