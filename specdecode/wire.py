@@ -1,0 +1,234 @@
+"""Codec between the data model (`specdecode.sequence`, `specdecode.interfaces`) and the
+protobuf messages of `specdecode.v1`.
+
+Encoding trusts its input (it is our own data). Decoding checks what must agree on the
+wire (tensor byte counts, dtypes, shapes between related tensors) and raises
+`InvalidRequestError` naming the offending field, e.g. `proposals.proposal_lens`; a
+servicer turns that into INVALID_ARGUMENT. Semantic checks (vocabulary range, sampling
+ranges) stay in `ExecuteModelRequest.validate`.
+
+Tensors travel as raw little-endian bytes with dtype and shape (see protos/.../tensor.proto).
+A None tensor is an unset message field, and an unset optional scalar is None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from google.protobuf.message import Message
+
+from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
+from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
+                                 SequenceData, SequenceGroupMetadata)
+from specdecode.v1 import sequence_pb2, speculative_pb2, tensor_pb2
+
+# Wire dtype -> (torch dtype, little-endian numpy dtype of the raw elements).
+# bfloat16 has no numpy dtype: its 16 raw bits travel as int16.
+_BY_WIRE: dict[int, tuple[torch.dtype, np.dtype]] = {
+    tensor_pb2.DTYPE_FLOAT32: (torch.float32, np.dtype("<f4")),
+    tensor_pb2.DTYPE_INT64: (torch.int64, np.dtype("<i8")),
+    tensor_pb2.DTYPE_INT32: (torch.int32, np.dtype("<i4")),
+    tensor_pb2.DTYPE_FLOAT16: (torch.float16, np.dtype("<f2")),
+    tensor_pb2.DTYPE_BFLOAT16: (torch.bfloat16, np.dtype("<i2")),
+}
+_BY_TORCH: dict[torch.dtype, tuple[int, np.dtype]] = {
+    t: (w, n) for w, (t, n) in _BY_WIRE.items()}
+_INTS = (torch.int64,)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- tensors ------------------------------------------------------------------------------
+
+def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
+    """Encode a tensor as raw little-endian bytes with its dtype and shape (copied to host)."""
+    try:
+        wire_dtype, np_dtype = _BY_TORCH[t.dtype]
+    except KeyError:
+        raise TypeError(f"cannot encode a {t.dtype} tensor; supported: "
+                        f"{', '.join(str(d) for d in _BY_TORCH)}") from None
+    host = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        host = host.view(torch.int16)
+    data = host.numpy().astype(np_dtype, copy=False).tobytes()  # no-op cast on little-endian
+    return tensor_pb2.Tensor(dtype=wire_dtype, shape=t.shape, data=data)
+
+
+def tensor_from_proto(m: tensor_pb2.Tensor, field: str) -> torch.Tensor:
+    """Decode a Tensor into a new CPU tensor; InvalidRequestError(field) if it is malformed."""
+    if m.dtype not in _BY_WIRE:
+        name = "DTYPE_UNSPECIFIED" if m.dtype == tensor_pb2.DTYPE_UNSPECIFIED else m.dtype
+        raise InvalidRequestError(field, f"unknown tensor dtype {name}")
+    torch_dtype, np_dtype = _BY_WIRE[m.dtype]
+    shape = list(m.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(field, f"negative dimension in shape {shape}")
+    data = m.data
+    expected = math.prod(shape) * np_dtype.itemsize
+    if len(data) != expected:
+        raise InvalidRequestError(field, f"{len(data)} data bytes, expected {expected} for "
+                                         f"shape {shape} of {tensor_pb2.Dtype.Name(m.dtype)}")
+    # astype copies: the tensor owns writable, native-order memory, not the message's bytes.
+    t = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).astype(np_dtype.newbyteorder("=")))
+    if torch_dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.reshape(shape)
+
+
+def _optional_tensor(t: torch.Tensor | None) -> tensor_pb2.Tensor | None:
+    """Encode a tensor, or None for an unset field."""
+    return None if t is None else tensor_to_proto(t)
+
+
+def _tensor_field(m: Message, name: str, field: str, required: bool) -> torch.Tensor | None:
+    """Decode the Tensor field `name` of `m`: None when unset and not required."""
+    if not m.HasField(name):
+        if required:
+            raise InvalidRequestError(f"{field}.{name}", "is required")
+        return None
+    return tensor_from_proto(getattr(m, name), f"{field}.{name}")
+
+
+def _check(t: torch.Tensor, field: str, dtypes: tuple[torch.dtype, ...],
+           dims: Sequence[int | None], names: str) -> None:
+    """Check dtype and shape; `dims` gives each dimension's size (None = any), `names` them."""
+    if t.dtype not in dtypes:
+        raise InvalidRequestError(
+            field, f"dtype {t.dtype} not allowed here; expected {', '.join(map(str, dtypes))}")
+    if t.dim() != len(dims) or any(d is not None and d != s for d, s in zip(dims, t.shape)):
+        want = ", ".join(n if d is None else f"{n}={d}" for n, d in zip(names.split(), dims))
+        raise InvalidRequestError(field, f"shape {list(t.shape)} does not match [{want}]")
+
+
+# --- request ------------------------------------------------------------------------------
+
+def sampling_params_to_proto(p: SamplingParams) -> sequence_pb2.SamplingParams:
+    """Encode SamplingParams (seed None = unset)."""
+    return sequence_pb2.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+        max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids)
+
+
+def sampling_params_from_proto(m: sequence_pb2.SamplingParams) -> SamplingParams:
+    """Decode SamplingParams (unset seed = None). Ranges are checked by `validate`."""
+    return SamplingParams(
+        temperature=m.temperature, top_k=m.top_k, top_p=m.top_p,
+        seed=m.seed if m.HasField("seed") else None, max_tokens=m.max_tokens,
+        stop_token_ids=tuple(m.stop_token_ids))
+
+
+def sequence_data_to_proto(d: SequenceData) -> sequence_pb2.SequenceData:
+    """Encode one sequence's token ids."""
+    return sequence_pb2.SequenceData(
+        prompt_token_ids=d.prompt_token_ids, output_token_ids=d.output_token_ids)
+
+
+def sequence_data_from_proto(m: sequence_pb2.SequenceData) -> SequenceData:
+    """Decode one sequence's token ids."""
+    return SequenceData(list(m.prompt_token_ids), list(m.output_token_ids))
+
+
+def sequence_group_metadata_to_proto(
+        sg: SequenceGroupMetadata) -> sequence_pb2.SequenceGroupMetadata:
+    """Encode one sequence group (cache_id / num_speculative_tokens None = unset)."""
+    return sequence_pb2.SequenceGroupMetadata(
+        request_id=sg.request_id, is_prompt=sg.is_prompt,
+        seq_data={sid: sequence_data_to_proto(d) for sid, d in sg.seq_data.items()},
+        sampling_params=sampling_params_to_proto(sg.sampling_params),
+        cache_id=sg.cache_id, num_speculative_tokens=sg.num_speculative_tokens)
+
+
+def sequence_group_metadata_from_proto(m: sequence_pb2.SequenceGroupMetadata,
+                                       field: str = "seq_group_metadata",
+                                       ) -> SequenceGroupMetadata:
+    """Decode one sequence group; `field` is its path, for errors."""
+    if not m.HasField("sampling_params"):
+        raise InvalidRequestError(f"{field}.sampling_params", "is required")
+    return SequenceGroupMetadata(
+        request_id=m.request_id, is_prompt=m.is_prompt,
+        seq_data={sid: sequence_data_from_proto(d) for sid, d in m.seq_data.items()},
+        sampling_params=sampling_params_from_proto(m.sampling_params),
+        cache_id=m.cache_id if m.HasField("cache_id") else None,
+        num_speculative_tokens=(m.num_speculative_tokens
+                                if m.HasField("num_speculative_tokens") else None))
+
+
+def request_to_proto(req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelRequest:
+    """Encode a step's batch."""
+    return sequence_pb2.ExecuteModelRequest(
+        seq_group_metadata_list=[sequence_group_metadata_to_proto(sg)
+                                 for sg in req.seq_group_metadata_list],
+        num_lookahead_slots=req.num_lookahead_slots)
+
+
+def request_from_proto(m: sequence_pb2.ExecuteModelRequest,
+                       field: str = "request") -> ExecuteModelRequest:
+    """Decode a step's batch; `field` prefixes error field names. Call `validate` next."""
+    return ExecuteModelRequest(
+        seq_group_metadata_list=[
+            sequence_group_metadata_from_proto(sg, f"{field}.seq_group_metadata_list[{i}]")
+            for i, sg in enumerate(m.seq_group_metadata_list)],
+        num_lookahead_slots=m.num_lookahead_slots)
+
+
+# --- proposals and scores -----------------------------------------------------------------
+
+def proposals_to_proto(p: SpeculativeProposals) -> speculative_pb2.SpeculativeProposals:
+    """Encode proposals (proposal_probs None = unset)."""
+    return speculative_pb2.SpeculativeProposals(
+        proposal_token_ids=tensor_to_proto(p.proposal_token_ids),
+        proposal_probs=_optional_tensor(p.proposal_probs),
+        proposal_lens=tensor_to_proto(p.proposal_lens))
+
+
+def proposals_from_proto(m: speculative_pb2.SpeculativeProposals, field: str = "proposals",
+                         batch_size: int | None = None) -> SpeculativeProposals:
+    """Decode proposals, checking ids [B, k] int64, lens [B] int64 in [0, k], probs [B, k, V]
+    float; with `batch_size`, also that B equals it (the request's sequence count)."""
+    ids = _tensor_field(m, "proposal_token_ids", field, required=True)
+    lens = _tensor_field(m, "proposal_lens", field, required=True)
+    probs = _tensor_field(m, "proposal_probs", field, required=False)
+    assert ids is not None and lens is not None
+    _check(ids, f"{field}.proposal_token_ids", _INTS, [batch_size, None], "B k")
+    b, k = ids.shape
+    _check(lens, f"{field}.proposal_lens", _INTS, [b], "B")
+    if lens.numel() and not (0 <= int(lens.min()) and int(lens.max()) <= k):
+        raise InvalidRequestError(f"{field}.proposal_lens",
+                                  f"values must be in [0, k={k}], got {lens.tolist()}")
+    if probs is not None:
+        _check(probs, f"{field}.proposal_probs", _FLOATS, [b, k, None], "B k V")
+    return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs,
+                                proposal_lens=lens)
+
+
+def scores_to_proto(s: SpeculativeScores) -> speculative_pb2.SpeculativeScores:
+    """Encode scores (probs / logprobs None = unset)."""
+    return speculative_pb2.SpeculativeScores(
+        probs=_optional_tensor(s.probs), logprobs=_optional_tensor(s.logprobs),
+        token_ids=tensor_to_proto(s.token_ids))
+
+
+def scores_from_proto(m: speculative_pb2.SpeculativeScores, field: str = "scores",
+                      batch_size: int | None = None,
+                      num_positions: int | None = None) -> SpeculativeScores:
+    """Decode scores, checking token_ids [B, k+1] int64 and probs / logprobs [B, k+1, V]
+    float with one V; with `batch_size` / `num_positions` (k+1), also B / k+1."""
+    token_ids = _tensor_field(m, "token_ids", field, required=True)
+    probs = _tensor_field(m, "probs", field, required=False)
+    logprobs = _tensor_field(m, "logprobs", field, required=False)
+    assert token_ids is not None
+    _check(token_ids, f"{field}.token_ids", _INTS, [batch_size, num_positions], "B k+1")
+    b, positions = token_ids.shape
+    vocab: int | None = None
+    for name, t in (("probs", probs), ("logprobs", logprobs)):
+        if t is not None:
+            _check(t, f"{field}.{name}", _FLOATS, [b, positions, vocab], "B k+1 V")
+            vocab = t.shape[2]
+    return SpeculativeScores(probs=probs, logprobs=logprobs, token_ids=token_ids)
+
+
+def message_bytes(msg: Message) -> int:
+    """Serialized size of a message in bytes (what it costs on the wire, before framing)."""
+    return msg.ByteSize()
