@@ -50,9 +50,20 @@ class SpeculativeProposer(ABC):
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         raise NotImplementedError
 
+    def release_sequences(self, seq_ids: list[int]) -> int:
+        """Forget per-sequence state (KV caches); returns how many were held. Stateless
+        proposers hold none."""
+        return 0
+
 
 class SpeculativeScorer(ABC):
     @abstractmethod
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals) -> SpeculativeScores:
+                        proposals: SpeculativeProposals,
+                        want_logprobs: bool = False) -> SpeculativeScores:
+        """Probabilities are returned when any sequence samples; logprobs only when asked."""
         raise NotImplementedError
+
+    def release_sequences(self, seq_ids: list[int]) -> int:
+        """Forget per-sequence state (KV caches); returns how many were held."""
+        return 0

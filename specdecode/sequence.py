@@ -99,6 +99,15 @@ class SequenceGroupMetadata:
     def kv_cache_id(self) -> SeqId:
         return self.seq_id if self.cache_id is None else self.cache_id
 
+    def with_appended(self, token_ids: list[TokenId], seq_id: SeqId | None = None,
+                      cache_id: SeqId | None = None) -> SequenceGroupMetadata:
+        """A copy with token_ids appended to the output, optionally under another sequence
+        id that reads `cache_id`'s KV cache (an expanded target sequence)."""
+        data = SequenceData(self.data.prompt_token_ids, [*self.data.output_token_ids, *token_ids])
+        return dataclasses.replace(
+            self, seq_data={self.seq_id if seq_id is None else seq_id: data},
+            cache_id=self.cache_id if cache_id is None else cache_id)
+
 
 @dataclass
 class ExecuteModelRequest:

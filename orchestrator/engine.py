@@ -1,0 +1,247 @@
+"""The step loop: propose, score, verify for every running sequence, then append and stop.
+
+Iteration-level batching: requests added between steps join the next step; a sequence's
+first step (its prompt has no KV state yet) is scored with proposal length 0. The engine
+knows nothing of gRPC: the proposer and scorer may be in-process or remote clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from orchestrator.rejection_sampler import RejectionSampler
+from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
+                                   SpeculativeScores)
+from specdecode.sampling import step_generator
+from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
+                                 SequenceData, SequenceGroupMetadata)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_speculative_tokens: int | None = None  # None = the engine's k; 0 = no speculation
+
+
+@dataclass
+class RequestStats:
+    """Per-request usage. accepted_tokens has the seed's meaning (every draft token that
+    passed verification, even after an earlier rejection)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted prefix + 1)
+    steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: Request
+    output_token_ids: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.request.prompt_token_ids, *self.output_token_ids]
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+
+
+@dataclass
+class StepStats:
+    """One step, for metrics and traces."""
+
+    batch_size: int = 0
+    k: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    spec_sequences: int = 0
+    propose_s: float = 0.0
+    score_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+
+def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
+           proposals: SpeculativeProposals,
+           scores: SpeculativeScores) -> tuple[list[list[int]], list[int]]:
+    """Tokens each sequence emits this step, and how many of its draft tokens passed
+    verification (the seed's accepted count; 0 for non-speculating sequences)."""
+    groups = req.seq_group_metadata_list
+    lens = proposals.proposal_lens  # [B]
+    emitted: list[list[int]] = [[int(scores.token_ids[i, 0])] for i in range(len(groups))]
+    accepted = [0] * len(groups)
+    greedy = [i for i, sg in enumerate(groups) if lens[i] > 0 and sg.sampling_params.greedy]
+    sampled = [i for i, sg in enumerate(groups) if lens[i] > 0 and not sg.sampling_params.greedy]
+    k = req.num_lookahead_slots
+    if greedy:
+        out = sampler.greedy(scores.token_ids[greedy], proposals.proposal_token_ids[greedy])
+        for i, row, n in zip(greedy, out.tolist(), sampler.last_accepted_counts.tolist()):
+            emitted[i], accepted[i] = [t for t in row if t != -1], n
+    if sampled:
+        rows = torch.tensor(sampled)
+        bonus = scores.token_ids[rows].gather(1, lens[rows].unsqueeze(1))  # [S, 1] at n_i
+        gens = [step_generator(groups[i].sampling_params, groups[i].data.get_len(), "verify")
+                for i in sampled]
+        draft_probs = None if proposals.proposal_probs is None else proposals.proposal_probs[rows]
+        out = sampler(scores.probs[rows, :k], bonus, draft_probs,
+                      proposals.proposal_token_ids[rows], generators=gens)
+        for i, row, n in zip(sampled, out.tolist(), sampler.last_accepted_counts.tolist()):
+            emitted[i], accepted[i] = [t for t in row if t != -1], n
+    return emitted, accepted
+
+
+class SpecDecodeEngine:
+    def __init__(self, proposer: SpeculativeProposer, scorer: SpeculativeScorer, *,
+                 vocab_size: int, max_model_len: int, num_speculative_tokens: int,
+                 sampler: RejectionSampler | None = None):
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
+        self.proposer, self.scorer = proposer, scorer
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.k = num_speculative_tokens
+        self.sampler = sampler or RejectionSampler()
+        self.running: dict[str, Sequence] = {}
+        self.last_step = StepStats()
+        self._seq_ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt.token_ids", f"ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt)} tokens; the model allows fewer than {self.max_model_len}")
+        if request.num_speculative_tokens is not None and request.num_speculative_tokens < 0:
+            raise InvalidRequestError("num_speculative_tokens",
+                                      f"must be >= 0, got {request.num_speculative_tokens}")
+        request.sampling_params.validate(self.vocab_size)
+        if request.request_id in self.running:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        self.running[request.request_id] = Sequence(next(self._seq_ids), request)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its sequence is released on both services."""
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            seq.finish_reason = "cancelled"
+            self._release([seq])
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def _group(self, seq: Sequence) -> SequenceGroupMetadata:
+        return SequenceGroupMetadata(
+            request_id=seq.request.request_id, is_prompt=not seq.output_token_ids,
+            seq_data={seq.seq_id: SequenceData(seq.request.prompt_token_ids,
+                                               list(seq.output_token_ids))},
+            sampling_params=seq.request.sampling_params,
+            num_speculative_tokens=seq.request.num_speculative_tokens)
+
+    def step(self) -> list[StepOutput]:
+        seqs = list(self.running.values())
+        if not seqs:
+            return []
+        start = time.perf_counter()
+        k = max((self.k if s.request.num_speculative_tokens is None
+                 else s.request.num_speculative_tokens) for s in seqs)
+        req = ExecuteModelRequest([self._group(s) for s in seqs], num_lookahead_slots=k)
+        proposals = self.proposer.get_proposals(req)
+        t_proposed = time.perf_counter()
+        scores = self.scorer.score_proposals(req, proposals)
+        t_scored = time.perf_counter()
+        emitted, accepted = verify(self.sampler, req, proposals, scores)
+        t_verified = time.perf_counter()
+
+        stats = StepStats(batch_size=len(seqs), k=k, propose_s=t_proposed - start,
+                          score_s=t_scored - t_proposed, verify_s=t_verified - t_scored)
+        outputs, finished = [], []
+        for i, (seq, tokens) in enumerate(zip(seqs, emitted)):
+            n = int(proposals.proposal_lens[i])
+            if n:
+                seq.stats.draft_tokens += n
+                seq.stats.accepted_tokens += accepted[i]
+                seq.stats.emitted_tokens += len(tokens)
+                stats.draft_tokens += n
+                stats.accepted_tokens += accepted[i]
+                stats.emitted_tokens += len(tokens)
+                stats.spec_sequences += 1
+            seq.stats.steps += 1
+            new = self._append(seq, tokens)
+            outputs.append(StepOutput(seq.request.request_id, new, seq.finish_reason, seq.stats))
+            if seq.finish_reason:
+                finished.append(seq)
+        for seq in finished:
+            del self.running[seq.request.request_id]
+        self._release(finished)
+        stats.total_s = time.perf_counter() - start
+        self.last_step = stats
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append what the stop rules allow; set finish_reason when the sequence ends."""
+        params = seq.request.sampling_params
+        room = min(params.max_tokens - len(seq.output_token_ids),
+                   self.max_model_len - len(seq.token_ids))
+        new = []
+        for token in tokens[:room]:
+            new.append(token)
+            if token in params.stop_token_ids:
+                seq.finish_reason = "stop"
+                break
+        seq.output_token_ids += new
+        if seq.finish_reason is None and len(new) == room:
+            seq.finish_reason = "length"
+        return new
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            ids = [s.seq_id for s in seqs]
+            self.proposer.release_sequences(ids)
+            self.scorer.release_sequences(ids)
+
+    def generate(self, requests: list[Request]) -> dict[str, Sequence]:
+        """Run requests to completion together; returns the finished sequences by id."""
+        done: dict[str, Sequence] = {}
+        for r in requests:
+            self.add_request(r)
+        seqs = dict(self.running)
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finish_reason:
+                    done[out.request_id] = seqs[out.request_id]
+        return done

@@ -1,0 +1,1 @@
+"""Proposer service: draft-model and n-gram proposers and their gRPC servicer."""

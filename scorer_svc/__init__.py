@@ -1,0 +1,1 @@
+"""Scorer service: batch-expansion and multi-query scorers and their gRPC servicer."""

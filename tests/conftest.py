@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random-initialised Llama models that share one vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.engine import Request, SpecDecodeEngine
+from proposer_svc.draft import DraftModelProposer
+from proposer_svc.ngram import NgramProposer
+from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
+from scorer_svc.multi_query import MultiQueryScorer
+from specdecode.model_runner import ModelRunner
+from specdecode.models import TinyModelSpec, build_tiny_model
+from specdecode.sequence import SamplingParams
+from specdecode.worker import ModelWorker
+
+CPU = torch.device("cpu")
+TARGET = TinyModelSpec(seed=1)
+DRAFT = TinyModelSpec(seed=2, num_layers=1)
+
+
+@pytest.fixture(scope="session")
+def target_model():
+    return build_tiny_model(TARGET)
+
+
+@pytest.fixture(scope="session")
+def draft_model():
+    return build_tiny_model(DRAFT)
+
+
+def worker(model, purpose: str) -> ModelWorker:
+    return ModelWorker(ModelRunner(model, CPU), purpose)
+
+
+def make_engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
+    """draft: a model, or "ngram"."""
+    proposer = (NgramProposer(target.config.max_position_embeddings) if draft == "ngram"
+                else DraftModelProposer(worker(draft, "draft")))
+    scorer_cls = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
+    scorer = scorer_cls[scoring](worker(target, "target"))
+    return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
+                            max_model_len=target.config.max_position_embeddings,
+                            num_speculative_tokens=k)
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Target-only greedy decoding with full recomputation (no cache, no batching)."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
+    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
+import tests._tmp_patch
