@@ -1,0 +1,1 @@
+"""The orchestrator: scheduler, rejection sampler, metrics, public API servicer, service clients, CLI."""
