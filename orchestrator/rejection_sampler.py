@@ -86,6 +86,8 @@ class RejectionSampler:
         self.num_draft_tokens = 0  # sum of n_i
         self.num_spec_sequences = 0  # rows verified
         self.accepted_per_position = torch.zeros(0, dtype=torch.long, device=self.device)
+        # Per row of the last call: draft tokens that passed the accept test ([B] long, host).
+        self.last_accepted_counts = torch.zeros(0, dtype=torch.long)
 
     def __call__(self, target_probs: torch.Tensor, bonus_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor, *,
@@ -140,6 +142,7 @@ class RejectionSampler:
 
     def _count(self, accepted: torch.Tensor, out: torch.Tensor, prefix: torch.Tensor,
                lengths: list[int]) -> None:
+        self.last_accepted_counts = accepted.sum(dim=1).cpu()
         self.num_accepted_tokens += accepted.sum().to(self.device)
         self.num_emitted_tokens += (out != -1).sum().to(self.device)
         self.num_draft_tokens += sum(lengths)

@@ -21,6 +21,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.detail = message
 
 
 @dataclass

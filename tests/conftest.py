@@ -56,4 +56,3 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
-import tests._tmp_patch

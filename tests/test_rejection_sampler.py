@@ -421,3 +421,14 @@ def test_non_strict_accepts_empty_row() -> None:
     sampler = RejectionSampler()
     assert sampler(**args).tolist() == [[1, 2, 0], [1, -1, -1]]
     assert sampler.num_spec_sequences == 2 and sampler.num_draft_tokens == 2
+
+
+def test_last_accepted_counts_are_per_row():
+    """Per-row counts (for per-request usage) sum to the counter's increment."""
+    sampler = RejectionSampler()
+    target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [1, 2, 3, 4]])
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [9, -1, -1]])
+    sampler.greedy(target, draft)
+    # Row 1: position 1 mismatches, position 2 still matches (counted, as in the seed).
+    assert sampler.last_accepted_counts.tolist() == [3, 2, 0]
+    assert int(sampler.num_accepted_tokens) == 5

@@ -1,0 +1,154 @@
+"""In-process engine benchmark: target-only vs speculative tokens/s, and the cost of one
+scoring call, batch expansion vs multi-query.
+
+    python bench/engine_bench.py [--models tiny,smollm2] [--repeats 3] [--out bench/results/engine.json]
+
+Every configuration runs `repeats` times in this one process, interleaved, and the table
+reports medians: the machine is shared and noisy, so compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.engine import Request, SpecDecodeEngine
+from proposer_svc.draft import DraftModelProposer
+from proposer_svc.ngram import NgramProposer
+from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
+from scorer_svc.multi_query import MultiQueryScorer
+from specdecode.interfaces import SpeculativeProposals
+from specdecode.model_runner import ModelRunner
+from specdecode.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
+from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
+                                 SequenceGroupMetadata)
+from specdecode.worker import ModelWorker
+
+CPU = torch.device("cpu")
+SCORERS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
+CODE_PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\nclass Size:\n",
+    "<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def models(name: str):
+    """(target, draft or "ngram", prompts as token ids)."""
+    if name == "tiny":
+        target = build_tiny_model(TinyModelSpec(seed=1, hidden_size=256, num_layers=4))
+        draft = build_tiny_model(TinyModelSpec(seed=2, hidden_size=64, num_layers=1))
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (8, 16, 24, 32)]
+        return target, draft, prompts
+    target = load_model(None, CPU, torch.float32)
+    tok = load_tokenizer(None)
+    return target, "ngram", [tok(p).input_ids for p in CODE_PROMPTS]
+
+
+def engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
+    proposer = (NgramProposer(target.config.max_position_embeddings) if draft == "ngram"
+                else DraftModelProposer(ModelWorker(ModelRunner(draft, CPU), "draft")))
+    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, CPU), "target"))
+    return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
+                            max_model_len=target.config.max_position_embeddings,
+                            num_speculative_tokens=k)
+
+
+def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> dict:
+    eng = engine(target, draft, scoring, k)
+    reqs = [Request(f"r{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens))
+            for i in range(batch)]
+    start = time.perf_counter()
+    done = eng.generate(reqs)
+    seconds = time.perf_counter() - start
+    stats = [s.stats for s in done.values()]
+    draft_tokens = sum(s.draft_tokens for s in stats)
+    return {"tokens_per_s": sum(len(s.output_token_ids) for s in done.values()) / seconds,
+            "acceptance": sum(s.accepted_tokens for s in stats) / draft_tokens if draft_tokens else None,
+            "steps": max(s.steps for s in stats)}
+
+
+def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float:
+    """One ScoreProposals on a warm cache: B sequences of `context` tokens, k proposals each."""
+    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, CPU), "target"))
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(B * 100 + k)
+    groups = [SequenceGroupMetadata(str(i), False, {i: SequenceData(
+        torch.randint(0, vocab, (context,), generator=gen).tolist(), [1])}, SamplingParams())
+        for i in range(B)]
+    req = ExecuteModelRequest(groups, num_lookahead_slots=k)
+    props = SpeculativeProposals(torch.randint(0, vocab, (B, k), generator=gen), None,
+                                 torch.full((B,), k))
+    scorer.score_proposals(req, props)  # fills the KV cache with the context
+    start = time.perf_counter()
+    scorer.score_proposals(req, props)
+    return (time.perf_counter() - start) * 1000
+
+
+@click.command()
+@click.option("--models", "model_names", default="tiny,smollm2", show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--out", default="bench/results/engine.json", show_default=True)
+def main(model_names: str, repeats: int, max_tokens: int, out: str) -> None:
+    console = Console()
+    results = {"decode": [], "scoring": []}
+    for name in model_names.split(","):
+        target, draft, prompts = models(name)
+        proposer = "draft model" if draft != "ngram" else "n-gram"
+        decode_cfgs = [(scoring, k, batch) for batch in (1, 4)
+                       for scoring, k in [("target-only", 0), ("batch-expansion", 4),
+                                          ("multi-query", 4)]]
+        samples = {cfg: [] for cfg in decode_cfgs}
+        for _ in range(repeats):
+            for scoring, k, batch in decode_cfgs:
+                samples[(scoring, k, batch)].append(tokens_per_second(
+                    target, draft, "multi-query" if k == 0 else scoring, k, prompts, batch,
+                    max_tokens))
+        table = Table(title=f"{name}: decode, {max_tokens} tokens/request, proposer {proposer}")
+        for col in ("batch", "mode", "k", "tokens/s (median)", "vs target-only", "acceptance", "steps"):
+            table.add_column(col)
+        for scoring, k, batch in decode_cfgs:
+            runs = samples[(scoring, k, batch)]
+            tps = statistics.median(r["tokens_per_s"] for r in runs)
+            base = statistics.median(r["tokens_per_s"] for r in samples[("target-only", 0, batch)])
+            acc = runs[0]["acceptance"]
+            row = {"model": name, "batch": batch, "mode": scoring, "k": k, "tokens_per_s": tps,
+                   "speedup": tps / base, "acceptance": acc, "steps": runs[0]["steps"]}
+            results["decode"].append(row)
+            table.add_row(str(batch), scoring, str(k), f"{tps:.1f}", f"{tps / base:.2f}x",
+                          "-" if acc is None else f"{acc:.2f}", str(row["steps"]))
+        console.print(table)
+
+        scoring_cfgs = [(B, k) for B in (1, 4) for k in (1, 4, 8)]
+        times = {(s, B, k): [] for s in SCORERS for B, k in scoring_cfgs}
+        for _ in range(repeats):
+            for B, k in scoring_cfgs:
+                for s in SCORERS:
+                    times[(s, B, k)].append(scoring_call_ms(target, s, B, k, context=64))
+        table = Table(title=f"{name}: one scoring call (warm cache, 64-token context)")
+        for col in ("B", "k", "batch expansion ms", "multi-query ms", "BE / MQ"):
+            table.add_column(col)
+        for B, k in scoring_cfgs:
+            be = statistics.median(times[("batch-expansion", B, k)])
+            mq = statistics.median(times[("multi-query", B, k)])
+            results["scoring"].append({"model": name, "B": B, "k": k, "batch_expansion_ms": be,
+                                       "multi_query_ms": mq, "ratio": be / mq})
+            table.add_row(str(B), str(k), f"{be:.1f}", f"{mq:.1f}", f"{be / mq:.2f}")
+        console.print(table)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
