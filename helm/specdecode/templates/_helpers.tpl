@@ -1,0 +1,353 @@
+{{/*
+Chart name, truncated to 63 characters (the DNS label limit).
+*/}}
+{{- define "specdecode.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name: <release>-<chart>, or the release name when it already contains the chart name.
+Truncated to 50 characters so that "<fullname>-orchestrator" stays within 63.
+*/}}
+{{- define "specdecode.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version, for the helm.sh/chart label.
+*/}}
+{{- define "specdecode.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels.
+*/}}
+{{- define "specdecode.labels" -}}
+helm.sh/chart: {{ include "specdecode.chart" . }}
+{{ include "specdecode.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: {{ include "specdecode.name" . }}
+{{- end }}
+
+{{/*
+Selector labels (release-wide).
+*/}}
+{{- define "specdecode.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdecode.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Name of a component's resources. Call with (dict "root" $ "component" "scorer").
+*/}}
+{{- define "specdecode.componentName" -}}
+{{- printf "%s-%s" (include "specdecode.fullname" .root) .component }}
+{{- end }}
+
+{{/*
+Labels of a component's resources. Call with (dict "root" $ "component" "scorer").
+*/}}
+{{- define "specdecode.componentLabels" -}}
+{{ include "specdecode.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Selector labels of a component's pods. Call with (dict "root" $ "component" "scorer").
+*/}}
+{{- define "specdecode.componentSelectorLabels" -}}
+{{ include "specdecode.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+In-cluster address (DNS name and port) of a component's Service.
+Call with (dict "root" $ "component" "scorer").
+*/}}
+{{- define "specdecode.address" -}}
+{{- $values := index .root.Values .component }}
+{{- printf "%s.%s.svc:%d" (include "specdecode.componentName" .) .root.Release.Namespace (int $values.port) }}
+{{- end }}
+
+{{/*
+Image reference. Call with (dict "root" $ "image" <override with repository and tag>).
+*/}}
+{{- define "specdecode.image" -}}
+{{- $repository := .root.Values.image.repository }}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag }}
+{{- with .image }}
+{{- if .repository }}{{ $repository = .repository }}{{ end }}
+{{- if .tag }}{{ $tag = .tag }}{{ end }}
+{{- end }}
+{{- printf "%s:%s" $repository (toString $tag) }}
+{{- end }}
+
+{{/*
+Service account name.
+*/}}
+{{- define "specdecode.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specdecode.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod security context. Call with (dict "root" $ "groups" <extra supplemental groups>).
+*/}}
+{{- define "specdecode.podSecurityContext" -}}
+{{- $sc := .root.Values.securityContext }}
+{{- $groups := concat $sc.supplementalGroups (.groups | default list) | uniq }}
+runAsNonRoot: true
+runAsUser: {{ $sc.runAsUser }}
+runAsGroup: {{ $sc.runAsGroup }}
+fsGroup: {{ $sc.fsGroup }}
+{{- with $groups }}
+supplementalGroups:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+Container security context: non-root, read-only root filesystem, no privilege escalation,
+all capabilities dropped, seccomp RuntimeDefault.
+*/}}
+{{- define "specdecode.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+allowPrivilegeEscalation: false
+privileged: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+Whether a component's pods mount the models volume ("true" or "").
+Call with (dict "root" $ "component" "proposer").
+*/}}
+{{- define "specdecode.mountsModels" -}}
+{{- if ne .root.Values.models.source "none" }}
+{{- if eq .component "proposer" }}
+{{- if ne .root.Values.proposer.model "ngram" }}true{{ end }}
+{{- else }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The scorer's --device: scorer.device, else derived from the accelerator type.
+*/}}
+{{- define "specdecode.scorerDevice" -}}
+{{- if .Values.scorer.device }}
+{{- .Values.scorer.device }}
+{{- else }}
+{{- get (dict "npu" "npu" "nvidia" "cuda" "cpu" "cpu") .Values.scorer.accelerator.type }}
+{{- end }}
+{{- end }}
+
+{{/*
+Native gRPC probes against grpc.health.v1.Health. Call with (dict "root" $ "values" <component values>).
+*/}}
+{{- define "specdecode.probes" -}}
+{{- $probes := mergeOverwrite (deepCopy .root.Values.probes) (deepCopy (.values.probes | default dict)) }}
+{{- range $kind := list "startup" "readiness" "liveness" }}
+{{- $p := index $probes $kind }}
+{{ $kind }}Probe:
+  grpc:
+    port: {{ $.values.port }}
+    service: {{ $.root.Values.grpc.healthService | quote }}
+  initialDelaySeconds: {{ $p.initialDelaySeconds }}
+  periodSeconds: {{ $p.periodSeconds }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+  failureThreshold: {{ $p.failureThreshold }}
+  {{- if ne $kind "startup" }}
+  successThreshold: 1
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment every server container gets: downward API, OpenTelemetry, caches.
+Call with (dict "root" $ "component" "scorer" "device" "npu").
+*/}}
+{{- define "specdecode.serverEnv" -}}
+{{- $root := .root }}
+{{- $otel := $root.Values.otel }}
+- name: K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: K8S_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: K8S_POD_UID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.uid
+- name: K8S_NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "%s-%s" $otel.serviceNamePrefix .component | quote }}
+{{- $attrs := list "k8s.namespace.name=$(K8S_NAMESPACE)" "k8s.pod.name=$(K8S_POD_NAME)" "k8s.pod.uid=$(K8S_POD_UID)" "k8s.node.name=$(K8S_NODE_NAME)" }}
+{{- $attrs = append $attrs (printf "k8s.deployment.name=%s" (include "specdecode.componentName" .)) }}
+{{- $attrs = append $attrs (printf "k8s.container.name=%s" .component) }}
+{{- $attrs = append $attrs "service.instance.id=$(K8S_POD_NAME)" }}
+{{- $attrs = append $attrs (printf "service.version=%s" $root.Chart.AppVersion) }}
+{{- range $k, $v := $otel.resourceAttributes }}
+{{- $attrs = append $attrs (printf "%s=%s" $k (toString $v)) }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ join "," $attrs | quote }}
+{{- if $otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $otel.protocol | quote }}
+{{- else }}
+- name: OTEL_TRACES_EXPORTER
+  value: "none"
+{{- end }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ $otel.sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $otel.samplerArg | toString | quote }}
+{{ include "specdecode.cacheEnv" $root }}
+{{- if $root.Values.offline }}
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
+{{- end }}
+{{- if ne .device "npu" }}
+# torch_npu (in images built with the [npu] extra) must not autoload where there is no NPU.
+- name: TORCH_DEVICE_BACKEND_AUTOLOAD
+  value: "0"
+{{- end }}
+{{- end }}
+
+{{/*
+Writable HOME and caches on the emptyDirs (the root filesystem is read-only).
+*/}}
+{{- define "specdecode.cacheEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: HF_HOME
+  value: /cache/huggingface
+{{- end }}
+
+{{/*
+The emptyDir volumes behind /tmp and /cache.
+*/}}
+{{- define "specdecode.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    {{- with .Values.scratch.tmpSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+- name: cache
+  emptyDir:
+    {{- with .Values.scratch.cacheSizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+
+{{/*
+Mounts of the scratch volumes.
+*/}}
+{{- define "specdecode.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- end }}
+
+{{/*
+The models volume for the chosen models.source.
+*/}}
+{{- define "specdecode.modelsVolume" -}}
+{{- $m := .Values.models }}
+- name: models
+{{- if eq $m.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "initContainer" }}
+  emptyDir:
+    {{- with $m.emptyDir.medium }}
+    medium: {{ . }}
+    {{- end }}
+    {{- with $m.emptyDir.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks on values that the schema cannot express; rendering fails with a clear message.
+*/}}
+{{- define "specdecode.validate" -}}
+{{- $v := .Values }}
+{{- if le (int $v.terminationGracePeriodSeconds) (int $v.drainGraceSeconds) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than drainGraceSeconds (%d): the servers drain in-flight requests for drainGraceSeconds after SIGTERM and Kubernetes kills them after terminationGracePeriodSeconds" (int $v.terminationGracePeriodSeconds) (int $v.drainGraceSeconds)) }}
+{{- end }}
+{{- if and (eq $v.models.source "pvc") (not $v.models.pvc.claimName) }}
+{{- fail "models.source is pvc but models.pvc.claimName is empty: name an existing PersistentVolumeClaim" }}
+{{- end }}
+{{- if and (eq $v.models.source "hostPath") (not $v.models.hostPath.path) }}
+{{- fail "models.source is hostPath but models.hostPath.path is empty: name the model directory on the node" }}
+{{- end }}
+{{- range $c := list "proposer" "scorer" "orchestrator" }}
+{{- $cv := index $v $c }}
+{{- if and $cv.pdb.enabled (ne (toString $cv.pdb.minAvailable) "") (ne (toString $cv.pdb.maxUnavailable) "") }}
+{{- fail (printf "%s.pdb: set minAvailable or maxUnavailable, not both (set the other to \"\")" $c) }}
+{{- end }}
+{{- if and $cv.pdb.enabled (eq (toString $cv.pdb.minAvailable) "") (eq (toString $cv.pdb.maxUnavailable) "") }}
+{{- fail (printf "%s.pdb is enabled: set minAvailable or maxUnavailable" $c) }}
+{{- end }}
+{{- with $cv.autoscaling }}
+{{- if .enabled }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than maxReplicas (%d)" $c (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- if and (eq (int .targetCPUUtilizationPercentage) 0) (eq (int .targetMemoryUtilizationPercentage) 0) }}
+{{- fail (printf "%s.autoscaling is enabled but has no target: set targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" $c) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $c := list "proposer" "scorer" "orchestrator" }}
+{{- $cv := index $v $c }}
+{{- if eq (int $cv.port) (int $cv.metricsPort) }}
+{{- fail (printf "%s.port and %s.metricsPort are both %d: give them different ports" $c $c (int $cv.port)) }}
+{{- end }}
+{{- end }}
+{{- end }}
