@@ -245,15 +245,25 @@ def test_termination_grace_exceeds_drain_grace(rendered, value_set):
     docs = rendered[value_set]
     for component in COMPONENTS:
         spec = deployment(docs, component)["spec"]["template"]["spec"]
-        drain = int(args_map(server(docs, component))["--grace-seconds"])
-        assert spec["terminationGracePeriodSeconds"] > drain
+        c = server(docs, component)
+        drain = int(args_map(c)["--grace-seconds"])
+        pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep"
+        assert spec["terminationGracePeriodSeconds"] > drain + int(pre_stop[1])
 
 
-@pytest.mark.parametrize("drain,termination", [(30, 30), (40, 30)])
-def test_grace_violation_fails_rendering(helm, drain, termination):
-    err = helm.template_fails(sets=[f"drainGraceSeconds={drain}", f"terminationGracePeriodSeconds={termination}"])
-    assert (f"terminationGracePeriodSeconds ({termination}) must be greater than drainGraceSeconds ({drain})"
-            in err), err
+@pytest.mark.parametrize("drain,pre_stop,termination", [(30, 0, 30), (40, 0, 30), (20, 10, 30), (20, 5, 25)])
+def test_grace_violation_fails_rendering(helm, drain, pre_stop, termination):
+    err = helm.template_fails(sets=[f"drainGraceSeconds={drain}", f"preStopSleepSeconds={pre_stop}",
+                                    f"terminationGracePeriodSeconds={termination}"])
+    assert (f"terminationGracePeriodSeconds ({termination}) must be greater than drainGraceSeconds ({drain}) "
+            f"+ preStopSleepSeconds ({pre_stop})" in err), err
+
+
+def test_pre_stop_sleep_can_be_turned_off(helm):
+    docs = helm.render(sets=["preStopSleepSeconds=0", "drainGraceSeconds=29"])
+    for component in COMPONENTS:
+        assert "lifecycle" not in server(docs, component)
 
 
 # Schema ----------------------------------------------------------------------------------------

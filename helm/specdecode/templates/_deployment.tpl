@@ -156,6 +156,14 @@ spec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
           {{- include "specdecode.probes" (dict "root" $root "values" $v) | trim | nindent 10 }}
+          {{- if $root.Values.preStopSleepSeconds }}
+          lifecycle:
+            preStop:
+              exec:
+                command:
+                  - sleep
+                  - {{ $root.Values.preStopSleepSeconds | quote }}
+          {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}
           securityContext:

@@ -316,8 +316,9 @@ Checks on values that the schema cannot express; rendering fails with a clear me
 */}}
 {{- define "specdecode.validate" -}}
 {{- $v := .Values }}
-{{- if le (int $v.terminationGracePeriodSeconds) (int $v.drainGraceSeconds) }}
-{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than drainGraceSeconds (%d): the servers drain in-flight requests for drainGraceSeconds after SIGTERM and Kubernetes kills them after terminationGracePeriodSeconds" (int $v.terminationGracePeriodSeconds) (int $v.drainGraceSeconds)) }}
+{{- $needed := add (int $v.drainGraceSeconds) (int $v.preStopSleepSeconds) }}
+{{- if le (int $v.terminationGracePeriodSeconds) (int $needed) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must be greater than drainGraceSeconds (%d) + preStopSleepSeconds (%d) = %d: the servers drain in-flight requests for drainGraceSeconds after SIGTERM, which comes after the preStop sleep, and Kubernetes kills them terminationGracePeriodSeconds after termination starts" (int $v.terminationGracePeriodSeconds) (int $v.drainGraceSeconds) (int $v.preStopSleepSeconds) (int $needed)) }}
 {{- end }}
 {{- if and (eq $v.models.source "pvc") (not $v.models.pvc.claimName) }}
 {{- fail "models.source is pvc but models.pvc.claimName is empty: name an existing PersistentVolumeClaim" }}
