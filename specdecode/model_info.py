@@ -25,9 +25,12 @@ class ModelInfo:
 def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:
     """Raise IncompatibleModelsError naming both values of every field that disagrees.
 
-    An n-gram proposer proposes token ids of the target's own sequences, so it reports the
-    scorer's vocabulary; a draft model must share the target's vocabulary and tokenizer.
+    A draft model must share the target's vocabulary and tokenizer. An n-gram proposer
+    reports vocab_size 0: it proposes ids taken from the sequences themselves, so any
+    vocabulary fits.
     """
+    if proposer.vocab_size == 0:
+        return
     problems = [
         f"{name}: proposer {getattr(proposer, name)!r} != scorer {getattr(scorer, name)!r}"
         for name in ("vocab_size", "tokenizer_fingerprint")
@@ -36,6 +39,15 @@ def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:
         raise IncompatibleModelsError(
             f"proposer {proposer.model_name!r} and scorer {scorer.model_name!r} cannot be paired: "
             + "; ".join(problems))
+
+
+def check_tokenizer(fingerprint: str, scorer: ModelInfo) -> None:
+    """The orchestrator's tokenizer must be the scorer's: else text and ids disagree."""
+    if fingerprint != scorer.tokenizer_fingerprint:
+        raise IncompatibleModelsError(
+            f"the orchestrator's tokenizer (fingerprint {fingerprint[:12]}) is not the scorer's "
+            f"(model {scorer.model_name!r}, fingerprint {scorer.tokenizer_fingerprint[:12]}); "
+            "pass --tokenizer with the target model's path, or 'none' for token ids only")
 
 
 def serving_max_model_len(proposer: ModelInfo, scorer: ModelInfo) -> int:

@@ -1,0 +1,248 @@
+"""The `specdecode` command: serve one service, run the local stack, generate, demo.
+
+Every `serve` option can also be set as SPECDECODE_<OPTION> (e.g. SPECDECODE_PORT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+
+import click
+import grpc
+from rich.console import Console
+
+from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
+from orchestrator.remote import ServiceUnreachableError
+from orchestrator.stack import LocalStack, StackConfig
+from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
+from specdecode.model_info import IncompatibleModelsError
+from specdecode.model_service import ModelOptions
+from specdecode.server import ServerOptions
+
+STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
+                  FileNotFoundError, ValueError)
+SCORING = ("batch-expansion", "multi-query")
+
+
+def opt(*names, **kw):
+    """An option that also reads SPECDECODE_<NAME> from the environment."""
+    long = next(n for n in names if n.startswith("--"))
+    return click.option(*names, envvar="SPECDECODE_" + long[2:].upper().replace("-", "_"),
+                        show_default=True, show_envvar=True, **kw)
+
+
+def server_options(default_port: int):
+    def decorate(fn):
+        for o in reversed([
+            opt("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a container)."),
+            opt("--port", default=default_port, type=int, help="gRPC port (0 = any free port)."),
+            opt("--metrics-port", default=0, type=int,
+                help="Prometheus /metrics HTTP port (0 = off)."),
+            opt("--grace-seconds", default=20.0, type=float,
+                help="On SIGTERM, how long in-flight requests may take to finish."),
+            opt("--max-message-mb", default=64, type=int, help="Largest gRPC message, MiB."),
+        ]):
+            fn = o(fn)
+        return fn
+    return decorate
+
+
+def model_options(fn):
+    for o in reversed([
+        opt("--device", default="auto", type=click.Choice(DEVICE_CHOICES)),
+        opt("--dtype", default="float32", type=click.Choice(list(DTYPES))),
+        opt("--max-model-len", default=None, type=int,
+            help="Cap on tokens per sequence (default: the model's own limit)."),
+    ]):
+        fn = o(fn)
+    return fn
+
+
+def _run_server(coro) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(coro)
+    except STARTUP_ERRORS as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """specdecode: speculative decoding as a gRPC proposer/scorer pair and an orchestrator."""
+
+
+@main.group()
+def serve() -> None:
+    """Run one service in the foreground."""
+
+
+def _server(host, port, metrics_port, grace_seconds, max_message_mb) -> ServerOptions:
+    return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb)
+
+
+@serve.command("proposer")
+@opt("--model", default="ngram", help="Draft model directory or .gguf, or 'ngram'.")
+@model_options
+@server_options(50052)
+def serve_proposer(model, device, dtype, max_model_len, **server) -> None:
+    """The proposer service (draft model or n-gram)."""
+    from orchestrator.serve import serve_proposer as run
+    _run_server(run(_server(**server), ModelOptions(model, device, dtype, max_model_len)))
+
+
+@serve.command("scorer")
+@opt("--model", default="default",
+     help="Target model directory or .gguf ('default' = SmolLM2-135M-Instruct).")
+@opt("--scoring", default="batch-expansion", type=click.Choice(SCORING))
+@model_options
+@server_options(50053)
+def serve_scorer(model, scoring, device, dtype, max_model_len, **server) -> None:
+    """The scorer service (the target model)."""
+    from orchestrator.serve import serve_scorer as run
+    _run_server(run(_server(**server), ModelOptions(model, device, dtype, max_model_len), scoring))
+
+
+@serve.command("orchestrator")
+@opt("--proposer", default="127.0.0.1:50052", help="Proposer address HOST:PORT.")
+@opt("--scorer", default="127.0.0.1:50053", help="Scorer address HOST:PORT.")
+@opt("--tokenizer", default="default",
+     help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
+@opt("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
+     help="Draft tokens per step (k).")
+@opt("--connect-timeout", default=60.0, type=float,
+     help="Seconds to wait for the proposer and scorer at start.")
+@opt("--default-max-tokens", default=256, type=click.IntRange(1),
+     help="max_tokens for requests that leave it 0.")
+@server_options(50051)
+def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
+                       default_max_tokens, **server) -> None:
+    """The orchestrator: the public SpecDecodeService API."""
+    from orchestrator.serve import serve_orchestrator as run
+    _run_server(run(_server(**server), proposer, scorer, tokenizer, num_speculative_tokens,
+                    connect_timeout, default_max_tokens))
+
+
+def stack_options(fn):
+    for o in reversed([
+        click.option("--target-model", default=None,
+                     help="Target model directory or .gguf (default: SmolLM2-135M-Instruct)."),
+        click.option("--draft-model", default="ngram", show_default=True,
+                     help="Draft model directory or .gguf, or 'ngram'."),
+        click.option("--device", default="auto", type=click.Choice(DEVICE_CHOICES),
+                     show_default=True),
+        click.option("--dtype", default="float32", type=click.Choice(list(DTYPES)),
+                     show_default=True),
+        click.option("--scoring", default="batch-expansion", type=click.Choice(SCORING),
+                     show_default=True),
+        click.option("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
+                     show_default=True),
+        click.option("--port", default=50051, type=int, show_default=True,
+                     help="The orchestrator's port (0 = any free port)."),
+    ]):
+        fn = o(fn)
+    return fn
+
+
+def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
+           port) -> LocalStack:
+    return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
+                                  device=device, dtype=dtype, scoring=scoring,
+                                  num_speculative_tokens=num_speculative_tokens, port=port))
+
+
+def _start(stack: LocalStack) -> None:
+    try:
+        stack.start()
+    except RuntimeError as exc:
+        click.echo(f"error: the local stack did not start: {exc}", err=True)
+        sys.exit(2)
+
+
+@main.command()
+@stack_options
+def up(**kw) -> None:
+    """Start proposer, scorer and orchestrator on 127.0.0.1; Ctrl-C stops all three."""
+    stack = _stack(**kw)
+    _start(stack)
+    click.echo(f"specdecode is serving on {stack.address} (Ctrl-C to stop)")
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    while not stopping and all(p.poll() is None for p in stack.processes.values()):
+        time.sleep(0.5)
+    codes = stack.stop()
+    click.echo(f"stopped: {codes}")
+
+
+def _print_stream(address: str, prompt: str, as_json: bool, **params) -> GenerateResult:
+    console = Console(highlight=False)
+    result = GenerateResult()
+    start = time.perf_counter()
+    with SpecDecodeClient(address) as client:
+        try:
+            for response in client.stream(prompt, **params):
+                accumulate(result, response)
+                if not as_json:
+                    console.print(response.text, end="", markup=False)
+        except grpc.RpcError as exc:
+            click.echo(f"\nerror: {exc.code().name}: {exc.details()}", err=True)
+            sys.exit(1)
+    seconds = time.perf_counter() - start
+    if as_json:
+        click.echo(json.dumps(result.as_json()))
+    else:
+        u = result.usage
+        rate = u["acceptance_rate"]
+        console.print(f"\n[bold]{u['completion_tokens']} tokens in {seconds:.2f}s "
+                      f"({u['completion_tokens'] / seconds:.1f} tokens/s), acceptance rate "
+                      f"{'n/a' if rate != rate else f'{rate:.0%}'}, {u['steps']} steps, "
+                      f"finish: {result.finish_reason}[/bold]")
+    return result
+
+
+@main.command()
+@click.option("--address", default="127.0.0.1:50051", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=None, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.argument("prompt")
+def generate(address, prompt, as_json, **params) -> None:
+    """Stream a completion of PROMPT from a running orchestrator."""
+    _print_stream(address, prompt, as_json, **params)
+
+
+DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci "
+               "number.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@main.command()
+@stack_options
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+def demo(max_tokens, **kw) -> None:
+    """Start the local stack on the defaults, stream one generation, shut down."""
+    stack = _stack(**kw)
+    click.echo("starting proposer, scorer and orchestrator (the first run converts the "
+               "default model, ~20 s)...")
+    _start(stack)
+    try:
+        click.echo(f"serving on {stack.address}; streaming a generation:\n")
+        _print_stream(stack.address, DEMO_PROMPT, False, max_tokens=max_tokens)
+    finally:
+        codes = stack.stop()
+    click.echo(f"stopped all three services (exit codes {codes})")
+    if any(codes.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Runs the engine's step loop on its own thread and hands results to asyncio handlers.
+
+Requests and cancellations queue up and join at the next step boundary. A failed step
+(a service went away) fails the requests of that step with the error and leaves the loop
+running for the next ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from orchestrator.engine import Request, SpecDecodeEngine, StepOutput, StepStats
+from specdecode.sequence import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[StepOutput | BaseException], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: SpecDecodeEngine,
+                 on_step: Callable[[StepStats], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._cv = threading.Condition()
+        self._pending: list[tuple[Request, Sink]] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, Sink] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join()
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        """Join at the next step; sink receives each StepOutput, or the exception that
+        ended the request (InvalidRequestError if it could not be added)."""
+        with self._cv:
+            self._pending.append((request, sink))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def _take_commands(self) -> tuple[list[tuple[Request, Sink]], list[str]] | None:
+        with self._cv:
+            while not (self._stopped or self._pending or self._aborts
+                       or self.engine.has_unfinished()):
+                self._cv.wait()
+            if self._stopped:
+                return None
+            pending, aborts = self._pending, self._aborts
+            self._pending, self._aborts = [], []
+            return pending, aborts
+
+    def _run(self) -> None:
+        while (commands := self._take_commands()) is not None:
+            pending, aborts = commands
+            for request_id in aborts:
+                self._sinks.pop(request_id, None)
+                self._guard(self.engine.abort, request_id)
+            for request, sink in pending:
+                try:
+                    self.engine.add_request(request)
+                    self._sinks[request.request_id] = sink
+                except InvalidRequestError as exc:
+                    sink(exc)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a service failed: end this step's requests, keep serving
+            log.error("step failed, ending %d requests: %s", len(self.engine.running), exc)
+            for request_id in list(self.engine.running):
+                self._guard(self.engine.abort, request_id)
+                sink = self._sinks.pop(request_id, None)
+                if sink:
+                    sink(exc)
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink:
+                sink(out)
+            if out.finish_reason:
+                self._sinks.pop(out.request_id, None)
+        if self.on_step:
+            self.on_step(self.engine.last_step)
+
+    @staticmethod
+    def _guard(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # releasing state on a service is best effort
+            log.warning("%s(%s) failed: %s", getattr(fn, "__name__", fn), args, exc)

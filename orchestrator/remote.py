@@ -1,0 +1,92 @@
+"""The proposer and scorer as seen from the orchestrator: gRPC clients that implement the
+same one-method interfaces as the in-process proposers and scorers, so the engine cannot
+tell them apart. Each counts the bytes it sends and receives."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdecode import wire
+from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
+                                   SpeculativeScores)
+from specdecode.model_info import ModelInfo
+from specdecode.model_service import model_info_from_proto
+from specdecode.sequence import ExecuteModelRequest
+from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
+                           scorer_service_pb2, scorer_service_pb2_grpc)
+
+
+class ServiceUnreachableError(RuntimeError):
+    pass
+
+
+def connect(role: str, address: str, options: list[tuple[str, int]],
+            timeout_s: float) -> grpc.Channel:
+    """A channel that is ready, or ServiceUnreachableError naming the role and address."""
+    channel = grpc.insecure_channel(address, options=options)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise ServiceUnreachableError(
+            f"cannot reach the {role} at {address} within {timeout_s:.0f}s "
+            f"(is `specdecode serve {role}` running there?)") from None
+    return channel
+
+
+def _any_sampled(req: ExecuteModelRequest) -> bool:
+    return any(not sg.sampling_params.greedy for sg in req.seq_group_metadata_list)
+
+
+class _Remote:
+    def __init__(self, channel: grpc.Channel, stub, timeout_s: float):
+        self.stub, self.timeout_s = stub(channel), timeout_s
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _call(self, method, request):
+        response = method(request, timeout=self.timeout_s, wait_for_ready=True)
+        self.bytes_sent += request.ByteSize()
+        self.bytes_received += response.ByteSize()
+        return response
+
+    def model_info(self) -> ModelInfo:
+        info = self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(),
+                                      timeout=self.timeout_s, wait_for_ready=True)
+        return model_info_from_proto(info)
+
+    def release_sequences(self, seq_ids: list[int]) -> int:
+        if not seq_ids:
+            return 0
+        request = model_info_pb2.ReleaseSequencesRequest(seq_ids=seq_ids)
+        return self._call(self.stub.ReleaseSequences, request).released
+
+
+class RemoteProposer(_Remote, SpeculativeProposer):
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0):
+        super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s)
+
+    def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
+        request = proposer_service_pb2.GetProposalsRequest(
+            request=wire.request_to_proto(execute_model_req),
+            want_probs=_any_sampled(execute_model_req))
+        response = self._call(self.stub.GetProposals, request)
+        return wire.proposals_from_proto(response.proposals, "proposals",
+                                         batch_size=len(execute_model_req.seq_group_metadata_list))
+
+
+class RemoteScorer(_Remote, SpeculativeScorer):
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0):
+        super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s)
+
+    def score_proposals(self, execute_model_req: ExecuteModelRequest,
+                        proposals: SpeculativeProposals,
+                        want_logprobs: bool = False) -> SpeculativeScores:
+        request = scorer_service_pb2.ScoreProposalsRequest(
+            request=wire.request_to_proto(execute_model_req),
+            proposals=wire.proposals_to_proto(proposals),
+            want_probs=_any_sampled(execute_model_req), want_logprobs=want_logprobs)
+        response = self._call(self.stub.ScoreProposals, request)
+        return wire.scores_from_proto(response.scores, "scores",
+                                      batch_size=len(execute_model_req.seq_group_metadata_list),
+                                      num_positions=execute_model_req.num_lookahead_slots + 1)

@@ -1,0 +1,97 @@
+"""Entry points of the three servers (what `specdecode serve ...` runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from orchestrator.engine import SpecDecodeEngine
+from orchestrator.engine_loop import EngineLoop
+from orchestrator.remote import RemoteProposer, RemoteScorer, connect
+from orchestrator.servicer import SpecDecodeServicer
+from proposer_svc.servicer import ProposerServicer, build_proposer
+from scorer_svc.servicer import ScorerServicer, build_scorer
+from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
+from specdecode.model_service import ModelOptions
+from specdecode.models import load_tokenizer, tokenizer_fingerprint
+from specdecode.server import Deferred, GrpcServer, ServerOptions
+from specdecode.v1 import (proposer_service_pb2, proposer_service_pb2_grpc, scorer_service_pb2,
+                           scorer_service_pb2_grpc, spec_decode_service_pb2,
+                           spec_decode_service_pb2_grpc)
+
+log = logging.getLogger(__name__)
+
+
+def _service_name(module) -> str:
+    (service,) = module.DESCRIPTOR.services_by_name.values()
+    return service.full_name
+
+
+async def _serve(options: ServerOptions, service_module, add, servicer: Deferred, load) -> None:
+    """Serve with health NOT_SERVING while `load` runs (in a thread), attach what it
+    returns, report SERVING, and drain on SIGTERM."""
+    server = GrpcServer(options, [_service_name(service_module)])
+    add(servicer, server.server)
+    await server.start()
+    try:
+        servicer.attach(**await asyncio.to_thread(load))
+    except BaseException:
+        await server.server.stop(None)
+        raise
+    await server.set_serving()
+    await server.wait_for_termination()
+
+
+async def serve_proposer(options: ServerOptions, model: ModelOptions) -> None:
+    def load():
+        proposer, info = build_proposer(model)
+        log.info("proposer ready: %s", info)
+        return {"proposer": proposer, "info": info}
+    await _serve(options, proposer_service_pb2,
+                 proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
+                 ProposerServicer(), load)
+
+
+async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str) -> None:
+    def load():
+        scorer, info = build_scorer(model, scoring)
+        log.info("scorer ready: %s", info)
+        return {"scorer": scorer, "info": info}
+    await _serve(options, scorer_service_pb2,
+                 scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
+                 ScorerServicer(), load)
+
+
+async def serve_orchestrator(options: ServerOptions, proposer_address: str, scorer_address: str,
+                             tokenizer: str | None, num_speculative_tokens: int,
+                             connect_timeout_s: float = 60.0,
+                             default_max_tokens: int = 256) -> None:
+    """Connect to both services and check them (ServiceUnreachableError or
+    IncompatibleModelsError end the process before it reports SERVING), then serve."""
+    loops: list[EngineLoop] = []
+
+    def load():
+        channels = options.channel_options
+        proposer = RemoteProposer(connect("proposer", proposer_address, channels, connect_timeout_s))
+        scorer = RemoteScorer(connect("scorer", scorer_address, channels, connect_timeout_s))
+        p_info, s_info = proposer.model_info(), scorer.model_info()
+        check_compatible(p_info, s_info)
+        tok = None
+        if tokenizer != "none":
+            tok = load_tokenizer(None if tokenizer == "default" else tokenizer)
+            check_tokenizer(tokenizer_fingerprint(tok), s_info)
+        engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
+                                  max_model_len=serving_max_model_len(p_info, s_info),
+                                  num_speculative_tokens=num_speculative_tokens)
+        loops.append(EngineLoop(engine))
+        loops[0].start()
+        log.info("orchestrator ready: proposer %s, scorer %s", p_info.model_name, s_info.model_name)
+        return {"loop": loops[0], "tokenizer": tok}
+
+    try:
+        await _serve(options, spec_decode_service_pb2,
+                     spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
+                     SpecDecodeServicer(default_max_tokens), load)
+    finally:
+        for loop in loops:
+            loop.stop()

@@ -1,0 +1,127 @@
+"""SpecDecodeService: the public streaming API, thin over the engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+
+import grpc
+
+from orchestrator.engine import Request, StepOutput
+from orchestrator.engine_loop import EngineLoop
+from orchestrator.text import TextStream
+from specdecode.sequence import InvalidRequestError, SamplingParams
+from specdecode.server import Deferred, grpc_status_of
+from specdecode.v1 import spec_decode_service_pb2 as pb
+from specdecode.v1 import spec_decode_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+          "cancelled": pb.FINISH_REASON_CANCELLED}
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, stats) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                    draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens,
+                    emitted_tokens=stats.emitted_tokens, acceptance_rate=stats.acceptance_rate,
+                    steps=stats.steps)
+
+
+class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServiceServicer):
+    """Serves after attach(loop=EngineLoop, tokenizer=tokenizer or None)."""
+
+    loop: EngineLoop
+    tokenizer = None
+
+    def __init__(self, default_max_tokens: int = 256, max_speculative_tokens: int = 16):
+        self.default_max_tokens = default_max_tokens
+        self.max_speculative_tokens = max_speculative_tokens
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+    def to_request(self, m: pb.GenerateRequest) -> Request:
+        """GenerateRequest -> engine Request; InvalidRequestError naming the field."""
+        kind = m.WhichOneof("prompt")
+        if kind == "text":
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt.text", "this server has no tokenizer; "
+                                          "send prompt.token_ids")
+            prompt = self.tokenizer(m.text).input_ids if m.text else []
+        else:
+            prompt = list(m.token_ids.ids) if kind else []
+        if m.max_tokens < 0:
+            raise InvalidRequestError("max_tokens", f"must be >= 0, got {m.max_tokens}")
+        k = m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None
+        if k is not None and not 0 <= k <= self.max_speculative_tokens:
+            raise InvalidRequestError("num_speculative_tokens",
+                                      f"must be in [0, {self.max_speculative_tokens}], got {k}")
+        if math.isnan(m.temperature) or math.isnan(m.top_p):
+            raise InvalidRequestError("temperature" if math.isnan(m.temperature) else "top_p",
+                                      "must be a number")
+        stop_ids = tuple(m.stop_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            stop_ids += (self.tokenizer.eos_token_id,)
+        params = SamplingParams(
+            temperature=m.temperature, top_k=m.top_k, top_p=m.top_p or 1.0,
+            seed=m.seed if m.HasField("seed") else None,
+            max_tokens=m.max_tokens or self.default_max_tokens, stop_token_ids=stop_ids)
+        request = Request(m.request_id or uuid.uuid4().hex, prompt, params, k)
+        self.engine.validate(request)
+        return request
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self.require_loaded(context)
+        try:
+            req = self.to_request(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if m_stop := list(request.stop):
+            if self.tokenizer is None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "stop: this server has no tokenizer to match stop strings")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.loop.submit(req, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        text = TextStream(self.tokenizer, m_stop) if self.tokenizer is not None else None
+        output: list[int] = []
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    await context.abort(_status_for(item), str(item))
+                response, finished = self._response(req, item, output, text)
+                yield response
+        finally:
+            if not finished:  # the client cancelled or went away: free the sequence now
+                self.loop.abort(req.request_id)
+
+    def _response(self, req: Request, out: StepOutput, output: list[int],
+                  text: TextStream | None) -> tuple[pb.GenerateResponse, bool]:
+        output += out.new_token_ids
+        finish = out.finish_reason
+        delta = ""
+        if text is not None:
+            shown = output[:-1] if finish == "stop" and output[-1] in req.sampling_params.stop_token_ids else output
+            delta = text.update(shown, final=finish is not None)
+            if text.stopped and finish is None:
+                finish = "stop"
+                self.loop.abort(req.request_id)
+        response = pb.GenerateResponse(request_id=req.request_id, text=delta,
+                                       token_ids=out.new_token_ids)
+        if finish:
+            response.finish_reason = FINISH[finish]
+            response.usage.CopyFrom(usage_of(len(req.prompt_token_ids), len(output), out.stats))
+        return response, finish is not None
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, grpc.RpcError):  # a proposer/scorer call failed
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc_status_of(exc)

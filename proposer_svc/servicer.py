@@ -1,0 +1,60 @@
+"""ProposerService: protobuf in, dataclasses to the proposer, protobuf out."""
+
+from __future__ import annotations
+
+from proposer_svc.draft import DraftModelProposer
+from proposer_svc.ngram import NgramProposer
+from specdecode import wire
+from specdecode.interfaces import SpeculativeProposer
+from specdecode.model_info import ModelInfo
+from specdecode.model_service import (ModelAccess, ModelOptions, decode_request, load_runner,
+                                      model_info_for, model_info_to_proto)
+from specdecode.server import Deferred, map_errors
+from specdecode.v1 import model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc
+from specdecode.worker import ModelWorker
+
+# An n-gram proposer proposes ids taken from the sequence itself: any vocabulary fits.
+NGRAM_INFO = ModelInfo(model_name="ngram", vocab_size=0, tokenizer_fingerprint="",
+                       max_model_len=2**31 - 1, device="cpu", dtype="", role="proposer")
+
+
+def build_proposer(options: ModelOptions) -> tuple[SpeculativeProposer, ModelInfo]:
+    if options.model == "ngram":
+        return NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO
+    runner, fingerprint = load_runner(options)
+    info = model_info_for(runner, options, fingerprint, role="proposer")
+    return DraftModelProposer(ModelWorker(runner, "draft")), info
+
+
+class ProposerServicer(Deferred, proposer_service_pb2_grpc.ProposerServiceServicer):
+    """Serves after attach(proposer=SpeculativeProposer, info=ModelInfo)."""
+
+    proposer: SpeculativeProposer
+    info: ModelInfo
+
+    def __init__(self):
+        self.model = ModelAccess()
+
+    @map_errors
+    async def GetProposals(self, request, context):
+        req = decode_request(request.request, self._request_limits())
+        proposals = await self.model.run(self.proposer.get_proposals, req)
+        if not request.want_probs:
+            proposals.proposal_probs = None
+        return proposer_service_pb2.GetProposalsResponse(
+            proposals=wire.proposals_to_proto(proposals))
+
+    def _request_limits(self) -> ModelInfo:
+        # The n-gram proposer checks ids against nothing; the scorer validates them.
+        if self.info.vocab_size:
+            return self.info
+        return ModelInfo("ngram", 2**63 - 1, "", self.info.max_model_len)
+
+    @map_errors
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self.info)
+
+    @map_errors
+    async def ReleaseSequences(self, request, context):
+        released = await self.model.run(self.proposer.release_sequences, list(request.seq_ids))
+        return model_info_pb2.ReleaseSequencesResponse(released=released)

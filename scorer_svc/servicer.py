@@ -1,0 +1,64 @@
+"""ScorerService: protobuf in, dataclasses to the scorer, protobuf out."""
+
+from __future__ import annotations
+
+from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
+from scorer_svc.multi_query import MultiQueryScorer
+from specdecode import wire
+from specdecode.interfaces import SpeculativeScorer
+from specdecode.model_info import ModelInfo
+from specdecode.model_service import (ModelAccess, ModelOptions, decode_request, load_runner,
+                                      model_info_for, model_info_to_proto)
+from specdecode.sequence import InvalidRequestError
+from specdecode.server import Deferred, map_errors
+from specdecode.v1 import model_info_pb2, scorer_service_pb2, scorer_service_pb2_grpc
+from specdecode.worker import ModelWorker
+
+SCORING_METHODS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
+
+
+def build_scorer(options: ModelOptions, scoring: str) -> tuple[SpeculativeScorer, ModelInfo]:
+    if scoring not in SCORING_METHODS:
+        raise ValueError(f"scoring: must be one of {', '.join(SCORING_METHODS)}, got {scoring!r}")
+    runner, fingerprint = load_runner(options)
+    info = model_info_for(runner, options, fingerprint, role="scorer",
+                          scoring_method=scoring.replace("-", "_"))
+    return SCORING_METHODS[scoring](ModelWorker(runner, "target")), info
+
+
+class ScorerServicer(Deferred, scorer_service_pb2_grpc.ScorerServiceServicer):
+    """Serves after attach(scorer=SpeculativeScorer, info=ModelInfo)."""
+
+    scorer: SpeculativeScorer
+    info: ModelInfo
+
+    def __init__(self):
+        self.model = ModelAccess()
+
+    @map_errors
+    async def ScoreProposals(self, request, context):
+        req = decode_request(request.request, self.info)
+        proposals = wire.proposals_from_proto(request.proposals, "proposals",
+                                              batch_size=len(req.seq_group_metadata_list))
+        ids = proposals.proposal_token_ids
+        if ids.shape[1] != req.num_lookahead_slots:
+            raise InvalidRequestError("proposals.proposal_token_ids",
+                                      f"has {ids.shape[1]} columns, num_lookahead_slots is "
+                                      f"{req.num_lookahead_slots}")
+        if ((ids < -1) | (ids >= self.info.vocab_size)).any():
+            raise InvalidRequestError("proposals.proposal_token_ids",
+                                      f"ids outside the vocabulary [0, {self.info.vocab_size})")
+        scores = await self.model.run(self.scorer.score_proposals, req, proposals,
+                                      request.want_logprobs)
+        if not request.want_probs:
+            scores.probs = None
+        return scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))
+
+    @map_errors
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self.info)
+
+    @map_errors
+    async def ReleaseSequences(self, request, context):
+        released = await self.model.run(self.scorer.release_sequences, list(request.seq_ids))
+        return model_info_pb2.ReleaseSequencesResponse(released=released)
