@@ -81,6 +81,8 @@ class StepStats:
     score_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    bytes_sent: int = 0  # to the proposer and scorer (remote services only)
+    bytes_received: int = 0
 
 
 def verify(sampler: RejectionSampler, req: ExecuteModelRequest,

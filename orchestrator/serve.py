@@ -7,6 +7,7 @@ import logging
 
 from orchestrator.engine import SpecDecodeEngine
 from orchestrator.engine_loop import EngineLoop
+from orchestrator.metrics import StepMetrics
 from orchestrator.remote import RemoteProposer, RemoteScorer, connect
 from orchestrator.servicer import SpecDecodeServicer
 from proposer_svc.servicer import ProposerServicer, build_proposer
@@ -83,7 +84,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
                                   max_model_len=serving_max_model_len(p_info, s_info),
                                   num_speculative_tokens=num_speculative_tokens)
-        loops.append(EngineLoop(engine))
+        loops.append(EngineLoop(engine, on_step=StepMetrics(engine, [proposer, scorer])))
         loops[0].start()
         log.info("orchestrator ready: proposer %s, scorer %s", p_info.model_name, s_info.model_name)
         return {"loop": loops[0], "tokenizer": tok}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 
 import grpc
 
+from orchestrator import metrics
 from orchestrator.engine import Request, StepOutput
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
@@ -76,30 +78,46 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await self.require_loaded(context)
+        start = time.perf_counter()
+        stop = list(request.stop)
         try:
             req = self.to_request(request)
+            if stop and self.tokenizer is None:
+                raise InvalidRequestError("stop", "this server has no tokenizer to match "
+                                          "stop strings; use stop_token_ids")
         except InvalidRequestError as exc:
+            metrics.REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if m_stop := list(request.stop):
-            if self.tokenizer is None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "stop: this server has no tokenizer to match stop strings")
+        metrics.PROMPT.inc(len(req.prompt_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.loop.submit(req, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        text = TextStream(self.tokenizer, m_stop) if self.tokenizer is not None else None
+        text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         output: list[int] = []
         finished = False
+        last = start
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
+                    metrics.REQUESTS.labels("error").inc()
                     await context.abort(_status_for(item), str(item))
                 response, finished = self._response(req, item, output, text)
+                now, n = time.perf_counter(), len(response.token_ids)
+                if n:
+                    (metrics.TTFT.observe(now - start) if len(output) == n
+                     else metrics.ITL.observe((now - last) / n))
+                    metrics.GENERATED.inc(n)
+                last = now
+                if finished:
+                    metrics.E2E.observe(now - start)
+                    metrics.REQUESTS.labels(pb.FinishReason.Name(response.finish_reason)
+                                            .removeprefix("FINISH_REASON_").lower()).inc()
                 yield response
         finally:
             if not finished:  # the client cancelled or went away: free the sequence now
+                metrics.REQUESTS.labels("cancelled").inc()
                 self.loop.abort(req.request_id)
 
     def _response(self, req: Request, out: StepOutput, output: list[int],

@@ -59,11 +59,16 @@ class LocalStack:
         self.config = config
         self.processes: dict[str, subprocess.Popen] = {}
         self.address = f"127.0.0.1:{config.port or free_port()}"
+        self.service_addresses = {"proposer": f"127.0.0.1:{free_port()}",
+                                  "scorer": f"127.0.0.1:{free_port()}",
+                                  "orchestrator": self.address}
+        self.metrics_ports = {role: free_port() for role in self.service_addresses}
 
     def _spawn(self, role: str, *args: str) -> subprocess.Popen:
         env = {**os.environ, "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
         cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
-               "--grace-seconds", str(self.config.grace_seconds), *args]
+               "--grace-seconds", str(self.config.grace_seconds),
+               "--metrics-port", str(self.metrics_ports[role]), *args]
         self.processes[role] = subprocess.Popen(cmd, env=env)
         return self.processes[role]
 
@@ -71,7 +76,7 @@ class LocalStack:
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype]
-        p_addr, s_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]
         try:
             scorer = self._spawn("scorer", "--port", s_addr.rsplit(":", 1)[1], "--model", model,
                                  "--scoring", c.scoring, *model_args)

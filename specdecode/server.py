@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -101,6 +102,8 @@ class GrpcServer:
     async def start(self) -> None:
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.options.metrics_port:
+            prometheus_client.start_http_server(self.options.metrics_port, addr=self.options.host)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)

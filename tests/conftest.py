@@ -56,3 +56,16 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, target_model, draft_model):
+    """The tiny target and draft saved as safetensors directories, for service processes,
+    plus a draft whose vocabulary does not match (for the compatibility check)."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {"target": root / "target", "draft": root / "draft", "bad_draft": root / "bad"}
+    target_model.save_pretrained(dirs["target"])
+    draft_model.save_pretrained(dirs["draft"])
+    build_tiny_model(TinyModelSpec(seed=3, vocab_size=300, num_layers=1)).save_pretrained(
+        dirs["bad_draft"])
+    return {k: str(v) for k, v in dirs.items()}

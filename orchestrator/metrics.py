@@ -1,0 +1,113 @@
+"""Prometheus metrics of the orchestrator: the seed's acceptance metrics and serving metrics.
+
+The acceptance gauges have the seed's meanings (draft_acceptance_rate = accepted / draft,
+system_efficiency = emitted / (speculated sequences x (k+1)), NaN when a denominator is 0),
+computed at scrape time from the counters beside them, so a scrape is always consistent.
+Every SPECDECODE_METRICS_LOG_INTERVAL seconds the seed's AsyncMetricsCollector also logs
+them. Labels are bounded: phase, direction, outcome, position <= 16. No request ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from orchestrator.engine import SpecDecodeEngine, StepStats
+from orchestrator.spec_metrics import AsyncMetricsCollector
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120)
+BYTES_BUCKETS = tuple(2 ** i for i in range(8, 28, 2))
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+STEPS = Counter("specdecode_steps", "Decoding steps (propose, score, verify) run.")
+DRAFT = Counter("specdecode_draft_tokens", "Draft tokens proposed.")
+ACCEPTED = Counter("specdecode_accepted_tokens",
+                   "Draft tokens that passed verification (the seed's accepted_tokens).")
+EMITTED = Counter("specdecode_emitted_tokens",
+                  "Tokens emitted by speculative steps: accepted prefix plus one per sequence.")
+SPEC_SEQUENCES = Counter("specdecode_spec_sequences", "Sequence-steps that speculated.")
+ACCEPTED_AT = Counter("specdecode_accepted_tokens_by_position",
+                      "How often draft position i was emitted as an accepted token.", ["position"])
+MAX_EMITTED = Counter("specdecode_max_emitted_tokens",
+                      "Tokens speculative steps could have emitted: sequences x (k+1).")
+ACCEPTANCE_RATE = Gauge("specdecode_draft_acceptance_rate",
+                        "accepted / draft tokens since start (NaN before any draft).")
+EFFICIENCY = Gauge("specdecode_system_efficiency",
+                   "emitted / (speculated sequences x (k+1)) since start (NaN before any).")
+NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per step (k).")
+
+
+def _ratio(numerator: Counter, denominator: Counter) -> float:
+    d = denominator._value.get()
+    return numerator._value.get() / d if d else math.nan
+
+
+ACCEPTANCE_RATE.set_function(lambda: _ratio(ACCEPTED, DRAFT))
+EFFICIENCY.set_function(lambda: _ratio(EMITTED, MAX_EMITTED))
+BATCH = Histogram("specdecode_step_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS)
+PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase.", ["phase"],
+                  buckets=LATENCY_BUCKETS)
+WIRE = Histogram("specdecode_step_wire_bytes", "Bytes on the wire per step, to and from the "
+                 "proposer and scorer.", ["direction"], buckets=BYTES_BUCKETS)
+REQUESTS = Counter("specdecode_requests", "Requests finished, by outcome.", ["outcome"])
+RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
+GENERATED = Counter("specdecode_generation_tokens", "Tokens returned to clients.")
+PROMPT = Counter("specdecode_prompt_tokens", "Prompt tokens received.")
+TTFT = Histogram("specdecode_time_to_first_token_seconds", "Time to the first token.",
+                 buckets=LATENCY_BUCKETS)
+ITL = Histogram("specdecode_inter_token_latency_seconds",
+                "Time between streamed messages, per token they carry.", buckets=LATENCY_BUCKETS)
+E2E = Histogram("specdecode_e2e_request_latency_seconds", "Request time, end to end.",
+                buckets=LATENCY_BUCKETS)
+
+
+class StepMetrics:
+    """Called by the engine loop after every step: fills the step's wire bytes from the
+    remote clients' counters, then records the step."""
+
+    def __init__(self, engine: SpecDecodeEngine, remotes: list, log_interval_s: float = 5.0):
+        self.engine, self.remotes = engine, remotes
+        self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s)
+        self.collector.init_tensors(rank=0, device=engine.sampler.device)
+        self._bytes = (0, 0)
+        self._accepted_at: list[int] = []
+
+    def __call__(self, step: StepStats) -> None:
+        sent = sum(r.bytes_sent for r in self.remotes)
+        received = sum(r.bytes_received for r in self.remotes)
+        step.bytes_sent, step.bytes_received = sent - self._bytes[0], received - self._bytes[1]
+        self._bytes = (sent, received)
+        totals = self.engine.sampler.accepted_per_position.tolist()
+        by_position = [t - p for t, p in zip(totals, self._accepted_at + [0] * len(totals))]
+        self._accepted_at = totals
+        self.observe(step, len(self.engine.running), by_position)
+        if step.k and (seed := self.collector.maybe_collect_rejsample_metrics(step.k)):
+            log.info("speculative metrics: acceptance %.3f, efficiency %.3f, draft %d, "
+                     "emitted %d, accepted %d, k %d", seed.draft_acceptance_rate,
+                     seed.system_efficiency, seed.draft_tokens, seed.emitted_tokens,
+                     seed.accepted_tokens, seed.num_spec_tokens)
+
+    @staticmethod
+    def observe(step: StepStats, running: int, accepted_by_position: list[int]) -> None:
+        STEPS.inc()
+        DRAFT.inc(step.draft_tokens)
+        ACCEPTED.inc(step.accepted_tokens)
+        EMITTED.inc(step.emitted_tokens)
+        SPEC_SEQUENCES.inc(step.spec_sequences)
+        MAX_EMITTED.inc(step.spec_sequences * (step.k + 1))
+        for position, count in enumerate(accepted_by_position):
+            if count:
+                ACCEPTED_AT.labels(str(position)).inc(count)
+        NUM_SPEC_TOKENS.set(step.k)
+        BATCH.observe(step.batch_size)
+        RUNNING.set(running)
+        overhead = step.total_s - step.propose_s - step.score_s - step.verify_s
+        for phase, seconds in (("propose", step.propose_s), ("score", step.score_s),
+                               ("verify", step.verify_s), ("overhead", overhead)):
+            PHASE.labels(phase).observe(max(seconds, 0.0))
+        WIRE.labels("sent").observe(step.bytes_sent)
+        WIRE.labels("received").observe(step.bytes_received)
