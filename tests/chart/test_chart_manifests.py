@@ -30,7 +30,7 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
     "proposer": {"--model", "--device", "--dtype", "--host", "--port", "--metrics-port", "--grace-seconds",
-                 "--max-message-mb", "--num-speculative-tokens"},
+                 "--max-message-mb"},
     "scorer": {"--model", "--device", "--dtype", "--scoring", "--host", "--port", "--metrics-port",
                "--grace-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
@@ -135,16 +135,26 @@ def test_server_flags_follow_the_cli_contract(rendered, value_set):
         assert "command" not in c, "the image's ENTRYPOINT (specdecode) runs the servers"
         assert set(args_map(c)) == CLI_FLAGS[component]
         assert all(isinstance(a, str) for a in c["args"])
-    proposer, orchestrator = args_map(server(docs, "proposer")), args_map(server(docs, "orchestrator"))
-    assert proposer["--num-speculative-tokens"] == orchestrator["--num-speculative-tokens"]
     grace = {args_map(server(docs, c))["--grace-seconds"] for c in COMPONENTS}
     assert len(grace) == 1
+
+
+def test_chart_flags_exist_in_the_real_cli():
+    """The chart's flags and their fixed choices are options of `specdecode serve <component>`."""
+    import click
+
+    from orchestrator.cli import serve
+    for component, flags in CLI_FLAGS.items():
+        options = {o for p in serve.commands[component].params for o in p.opts}
+        assert flags <= options, (component, flags - options)
+    device = next(p for p in serve.commands["scorer"].params if "--device" in p.opts)
+    assert isinstance(device.type, click.Choice) and {"cpu", "cuda", "npu"} <= set(device.type.choices)
 
 
 def test_values_reach_the_flags(helm):
     docs = helm.render(sets=["speculation.numSpeculativeTokens=7", "grpc.maxMessageMb=128", "scorer.port=6000",
                              "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::"])
-    assert args_map(server(docs, "proposer"))["--num-speculative-tokens"] == "7"
+    assert args_map(server(docs, "orchestrator"))["--num-speculative-tokens"] == "7"
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
     assert args_map(server(docs, "scorer"))["--scoring"] == "multi-query"
