@@ -2,6 +2,12 @@
 scoring call, batch expansion vs multi-query.
 
     python bench/engine_bench.py [--models tiny,smollm2] [--repeats 3] [--out bench/results/engine.json]
+    python bench/engine_bench.py --models random-1b --device cuda --dtype bfloat16   # on a GPU
+
+Models: tiny (random, draft = a 1-layer random model: ~0% acceptance, overhead bound),
+smollm2 (SmolLM2-135M-Instruct, n-gram proposer, code prompts), random-1b (a random
+Llama of ~1B parameters; the draft is the same model, so every proposal is accepted: the
+upper bound of what speculation can buy on that device).
 
 Every configuration runs `repeats` times in this one process, interleaved, and the table
 reports medians: the machine is shared and noisy, so compare ratios within one run.
@@ -25,13 +31,14 @@ from proposer_svc.ngram import NgramProposer
 from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
 from scorer_svc.multi_query import MultiQueryScorer
 from specdecode.interfaces import SpeculativeProposals
+from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_runner import ModelRunner
 from specdecode.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
 from specdecode.worker import ModelWorker
 
-CPU = torch.device("cpu")
+DEVICE = torch.device("cpu")
 SCORERS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
 CODE_PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -41,23 +48,30 @@ CODE_PROMPTS = [
 ]
 
 
-def models(name: str):
+def models(name: str, dtype: torch.dtype):
     """(target, draft or "ngram", prompts as token ids)."""
+    if name == "random-1b":
+        target = build_tiny_model(TinyModelSpec(
+            seed=1, vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16,
+            max_position_embeddings=2048, initializer_range=0.02)).to(DEVICE, dtype)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 32000, (n,), generator=gen).tolist() for n in (64, 128, 256, 512)]
+        return target, target, prompts
     if name == "tiny":
-        target = build_tiny_model(TinyModelSpec(seed=1, hidden_size=256, num_layers=4))
-        draft = build_tiny_model(TinyModelSpec(seed=2, hidden_size=64, num_layers=1))
+        target = build_tiny_model(TinyModelSpec(seed=1, hidden_size=256, num_layers=4)).to(DEVICE, dtype)
+        draft = build_tiny_model(TinyModelSpec(seed=2, hidden_size=64, num_layers=1)).to(DEVICE, dtype)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (8, 16, 24, 32)]
         return target, draft, prompts
-    target = load_model(None, CPU, torch.float32)
+    target = load_model(None, DEVICE, dtype)
     tok = load_tokenizer(None)
     return target, "ngram", [tok(p).input_ids for p in CODE_PROMPTS]
 
 
 def engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
     proposer = (NgramProposer(target.config.max_position_embeddings) if draft == "ngram"
-                else DraftModelProposer(ModelWorker(ModelRunner(draft, CPU), "draft")))
-    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, CPU), "target"))
+                else DraftModelProposer(ModelWorker(ModelRunner(draft, DEVICE), "draft")))
+    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
     return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
                             max_model_len=target.config.max_position_embeddings,
                             num_speculative_tokens=k)
@@ -79,7 +93,7 @@ def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> 
 
 def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float:
     """One ScoreProposals on a warm cache: B sequences of `context` tokens, k proposals each."""
-    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, CPU), "target"))
+    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(B * 100 + k)
     groups = [SequenceGroupMetadata(str(i), False, {i: SequenceData(
@@ -89,22 +103,35 @@ def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float
     props = SpeculativeProposals(torch.randint(0, vocab, (B, k), generator=gen), None,
                                  torch.full((B,), k))
     scorer.score_proposals(req, props)  # fills the KV cache with the context
+    sync()
     start = time.perf_counter()
     scorer.score_proposals(req, props)
+    sync()
     return (time.perf_counter() - start) * 1000
+
+
+def sync() -> None:
+    if DEVICE.type != "cpu":
+        getattr(torch, DEVICE.type).synchronize()
 
 
 @click.command()
 @click.option("--models", "model_names", default="tiny,smollm2", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
 @click.option("--out", default="bench/results/engine.json", show_default=True)
-def main(model_names: str, repeats: int, max_tokens: int, out: str) -> None:
-    console = Console()
-    results = {"decode": [], "scoring": []}
+def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: str,
+         out: str) -> None:
+    global DEVICE
+    DEVICE = resolve_device(device)
+    console = Console(width=160)
+    results = {"device": device, "dtype": dtype, "decode": [], "scoring": []}
     for name in model_names.split(","):
-        target, draft, prompts = models(name)
-        proposer = "draft model" if draft != "ngram" else "n-gram"
+        target, draft, prompts = models(name, resolve_dtype(dtype))
+        proposer = {"tiny": "1-layer random draft", "smollm2": "n-gram",
+                    "random-1b": "draft = target"}[name]
         decode_cfgs = [(scoring, k, batch) for batch in (1, 4)
                        for scoring, k in [("target-only", 0), ("batch-expansion", 4),
                                           ("multi-query", 4)]]
@@ -114,7 +141,8 @@ def main(model_names: str, repeats: int, max_tokens: int, out: str) -> None:
                 samples[(scoring, k, batch)].append(tokens_per_second(
                     target, draft, "multi-query" if k == 0 else scoring, k, prompts, batch,
                     max_tokens))
-        table = Table(title=f"{name}: decode, {max_tokens} tokens/request, proposer {proposer}")
+        table = Table(title=f"{name} ({DEVICE.type}, {dtype}): decode, {max_tokens} tokens/"
+                            f"request, proposer {proposer}")
         for col in ("batch", "mode", "k", "tokens/s (median)", "vs target-only", "acceptance", "steps"):
             table.add_column(col)
         for scoring, k, batch in decode_cfgs:

@@ -20,7 +20,7 @@ def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
 
 
 class NgramProposer(SpeculativeProposer):
-    def __init__(self, max_model_len: int, n_min: int = 1, n_max: int = 4):
+    def __init__(self, max_model_len: int, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"ngram sizes: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.max_model_len, self.n_min, self.n_max = max_model_len, n_min, n_max

@@ -36,7 +36,8 @@ def worker(model, purpose: str) -> ModelWorker:
 
 def make_engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
     """draft: a model, or "ngram"."""
-    proposer = (NgramProposer(target.config.max_position_embeddings) if draft == "ngram"
+    # n_min=1: on random models longer n-grams rarely recur, and proposals are what we test.
+    proposer = (NgramProposer(target.config.max_position_embeddings, n_min=1) if draft == "ngram"
                 else DraftModelProposer(worker(draft, "draft")))
     scorer_cls = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
     scorer = scorer_cls[scoring](worker(target, "target"))
