@@ -65,7 +65,11 @@ class LocalStack:
         self.metrics_ports = {role: free_port() for role in self.service_addresses}
 
     def _spawn(self, role: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
+        # Three processes share this host's cores and take turns (propose, then score):
+        # OpenMP threads that spin after each op would starve the other processes (measured
+        # 5x slower per step on 2 cores), so they sleep instead unless the caller says otherwise.
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
+               "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
         cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
                "--grace-seconds", str(self.config.grace_seconds),
                "--metrics-port", str(self.metrics_ports[role]), *args]
