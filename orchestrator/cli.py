@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import signal
 import sys
 import time
@@ -23,6 +22,7 @@ from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.model_service import ModelOptions
 from specdecode.server import ServerOptions
+from specdecode.telemetry import configure, configure_logging, parse_trace_steps
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   FileNotFoundError, ValueError)
@@ -63,14 +63,39 @@ def model_options(fn):
     return fn
 
 
-def _run_server(coro) -> None:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def telemetry_options(fn):
+    for o in reversed([
+        opt("--trace-console", is_flag=True, default=False,
+            help="Also print every span to stdout (tracing is otherwise configured by the "
+                 "OTEL_* environment variables, and off without them)."),
+        opt("--log-format", default="json", type=click.Choice(["json", "text"]),
+            help="Log lines on stderr: JSON objects (with trace_id/span_id) or plain text."),
+    ]):
+        fn = o(fn)
+    return fn
+
+
+def _trace_steps(ctx, param, value) -> int:
     try:
-        asyncio.run(coro)
+        return parse_trace_steps(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _run_server(role: str, run, trace_console: bool = False, log_format: str = "json") -> None:
+    """Logging and telemetry for one server process, then `run()` (a coroutine factory)
+    until SIGTERM; spans and metrics are flushed on the way out."""
+    configure_logging(f"specdecode-{role}", log_format)
+    telemetry = None
+    try:
+        telemetry = configure(role, console=trace_console)
+        asyncio.run(run())
     except STARTUP_ERRORS as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -91,10 +116,14 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb) -> ServerOp
 @opt("--model", default="ngram", help="Draft model directory or .gguf, or 'ngram'.")
 @model_options
 @server_options(50052)
-def serve_proposer(model, device, dtype, max_model_len, **server) -> None:
+@telemetry_options
+def serve_proposer(model, device, dtype, max_model_len, trace_console, log_format,
+                   **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from orchestrator.serve import serve_proposer as run
-    _run_server(run(_server(**server), ModelOptions(model, device, dtype, max_model_len)))
+    _run_server("proposer", lambda: run(_server(**server),
+                                        ModelOptions(model, device, dtype, max_model_len)),
+                trace_console, log_format)
 
 
 @serve.command("scorer")
@@ -103,10 +132,14 @@ def serve_proposer(model, device, dtype, max_model_len, **server) -> None:
 @opt("--scoring", default="batch-expansion", type=click.Choice(SCORING))
 @model_options
 @server_options(50053)
-def serve_scorer(model, scoring, device, dtype, max_model_len, **server) -> None:
+@telemetry_options
+def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, log_format,
+                 **server) -> None:
     """The scorer service (the target model)."""
     from orchestrator.serve import serve_scorer as run
-    _run_server(run(_server(**server), ModelOptions(model, device, dtype, max_model_len), scoring))
+    _run_server("scorer", lambda: run(_server(**server),
+                                      ModelOptions(model, device, dtype, max_model_len), scoring),
+                trace_console, log_format)
 
 
 @serve.command("orchestrator")
@@ -120,13 +153,20 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, **server) -> None
      help="Seconds to wait for the proposer and scorer at start.")
 @opt("--default-max-tokens", default=256, type=click.IntRange(1),
      help="max_tokens for requests that leave it 0.")
+@opt("--trace-steps", default="all", callback=_trace_steps,
+     help="Which step spans to keep when tracing: all, none (request spans only) or N "
+          "(every Nth step).")
 @server_options(50051)
+@telemetry_options
 def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
-                       default_max_tokens, **server) -> None:
+                       default_max_tokens, trace_steps, trace_console, log_format,
+                       **server) -> None:
     """The orchestrator: the public SpecDecodeService API."""
     from orchestrator.serve import serve_orchestrator as run
-    _run_server(run(_server(**server), proposer, scorer, tokenizer, num_speculative_tokens,
-                    connect_timeout, default_max_tokens))
+    _run_server("orchestrator", lambda: run(_server(**server), proposer, scorer, tokenizer,
+                                            num_speculative_tokens, connect_timeout,
+                                            default_max_tokens, trace_steps),
+                trace_console, log_format)
 
 
 def stack_options(fn):

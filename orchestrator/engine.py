@@ -3,6 +3,11 @@
 Iteration-level batching: requests added between steps join the next step; a sequence's
 first step (its prompt has no KV state yet) is scored with proposal length 0. The engine
 knows nothing of gRPC: the proposer and scorer may be in-process or remote clients.
+
+Tracing: each step is a `spec_decode.step` span with children `propose`, `score` and
+`rejection_sample`, placed in the trace of the oldest participating request and linked to
+the others (see specdecode.telemetry.step_span). `trace_every` keeps every Nth step span
+(1 = all, 0 = none: request spans only).
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from orchestrator.rejection_sampler import RejectionSampler
+from specdecode import telemetry
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.sampling import step_generator
@@ -27,6 +34,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     num_speculative_tokens: int | None = None  # None = the engine's k; 0 = no speculation
+    # The OpenTelemetry context of the request's span, carried explicitly to the engine
+    # thread (contextvars do not cross threads); None when the request is not traced.
+    trace_context: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -77,6 +87,8 @@ class StepStats:
     accepted_tokens: int = 0
     emitted_tokens: int = 0
     spec_sequences: int = 0
+    new_tokens: int = 0  # tokens appended to outputs (after stop rules)
+    finished: int = 0  # sequences that finished this step
     propose_s: float = 0.0
     score_s: float = 0.0
     verify_s: float = 0.0
@@ -117,15 +129,19 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
 class SpecDecodeEngine:
     def __init__(self, proposer: SpeculativeProposer, scorer: SpeculativeScorer, *,
                  vocab_size: int, max_model_len: int, num_speculative_tokens: int,
-                 sampler: RejectionSampler | None = None):
+                 sampler: RejectionSampler | None = None, trace_every: int = 1):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
+        if trace_every < 0:
+            raise ValueError(f"trace_every: must be >= 0, got {trace_every}")
         self.proposer, self.scorer = proposer, scorer
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.k = num_speculative_tokens
         self.sampler = sampler or RejectionSampler()
         self.running: dict[str, Sequence] = {}
         self.last_step = StepStats()
+        self.trace_every = trace_every
+        self.steps = 0  # steps run so far
         self._seq_ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------
@@ -174,19 +190,54 @@ class SpecDecodeEngine:
             sampling_params=seq.request.sampling_params,
             num_speculative_tokens=seq.request.num_speculative_tokens)
 
+    def _wire_bytes(self) -> tuple[int, int]:
+        """Bytes sent to and received from remote services so far (0 in-process)."""
+        parts = (self.proposer, self.scorer)
+        return (sum(getattr(p, "bytes_sent", 0) for p in parts),
+                sum(getattr(p, "bytes_received", 0) for p in parts))
+
     def step(self) -> list[StepOutput]:
         seqs = list(self.running.values())
         if not seqs:
             return []
+        index, self.steps = self.steps, self.steps + 1
+        traced = self.trace_every > 0 and index % self.trace_every == 0
+        with telemetry.step_span("spec_decode.step",
+                                 [(s.request.request_id, s.request.trace_context) for s in seqs],
+                                 traced, {"specdecode.step.index": index}) as span:
+            outputs = self._step(seqs)
+            stats = self.last_step
+            telemetry.set_attributes(span, {
+                "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
+                "specdecode.draft_tokens": stats.draft_tokens,
+                "specdecode.accepted_tokens": stats.accepted_tokens,
+                "specdecode.emitted_tokens": stats.emitted_tokens,
+                "specdecode.spec_sequences": stats.spec_sequences,
+                "specdecode.new_tokens": stats.new_tokens,
+                "specdecode.finished": stats.finished,
+                "specdecode.wire.bytes_sent": stats.bytes_sent,
+                "specdecode.wire.bytes_received": stats.bytes_received})
+        return outputs
+
+    def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
+        sent0, received0 = self._wire_bytes()
         k = max((self.k if s.request.num_speculative_tokens is None
                  else s.request.num_speculative_tokens) for s in seqs)
         req = ExecuteModelRequest([self._group(s) for s in seqs], num_lookahead_slots=k)
-        proposals = self.proposer.get_proposals(req)
+        with telemetry.child_span("propose", {"specdecode.batch_size": len(seqs),
+                                              "specdecode.k": k}) as span:
+            proposals = self.proposer.get_proposals(req)
+            if span.is_recording():
+                span.set_attribute("specdecode.draft_tokens", int(proposals.proposal_lens.sum()))
         t_proposed = time.perf_counter()
-        scores = self.scorer.score_proposals(req, proposals)
+        with telemetry.child_span("score", {"specdecode.batch_size": len(seqs),
+                                            "specdecode.k": k}):
+            scores = self.scorer.score_proposals(req, proposals)
         t_scored = time.perf_counter()
-        emitted, accepted = verify(self.sampler, req, proposals, scores)
+        with telemetry.child_span("rejection_sample") as span:
+            emitted, accepted = verify(self.sampler, req, proposals, scores)
+            telemetry.set_attributes(span, {"specdecode.accepted_tokens": sum(accepted)})
         t_verified = time.perf_counter()
 
         stats = StepStats(batch_size=len(seqs), k=k, propose_s=t_proposed - start,
@@ -204,12 +255,16 @@ class SpecDecodeEngine:
                 stats.spec_sequences += 1
             seq.stats.steps += 1
             new = self._append(seq, tokens)
+            stats.new_tokens += len(new)
             outputs.append(StepOutput(seq.request.request_id, new, seq.finish_reason, seq.stats))
             if seq.finish_reason:
                 finished.append(seq)
         for seq in finished:
             del self.running[seq.request.request_id]
         self._release(finished)
+        stats.finished = len(finished)
+        sent1, received1 = self._wire_bytes()
+        stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
         stats.total_s = time.perf_counter() - start
         self.last_step = stats
         return outputs

@@ -49,8 +49,11 @@ def _ratio(numerator: Counter, denominator: Counter) -> float:
 ACCEPTANCE_RATE.set_function(lambda: _ratio(ACCEPTED, DRAFT))
 EFFICIENCY.set_function(lambda: _ratio(EMITTED, MAX_EMITTED))
 BATCH = Histogram("specdecode_step_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS)
-PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase.", ["phase"],
+PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase: propose, score, "
+                  "verify (rejection sampling) and overhead (the rest of the step).", ["phase"],
                   buckets=LATENCY_BUCKETS)
+STEP_SECONDS = Histogram("specdecode_step_duration_seconds", "Time of one whole step.",
+                         buckets=LATENCY_BUCKETS)
 WIRE = Histogram("specdecode_step_wire_bytes", "Bytes on the wire per step, to and from the "
                  "proposer and scorer.", ["direction"], buckets=BYTES_BUCKETS)
 REQUESTS = Counter("specdecode_requests", "Requests finished, by outcome.", ["outcome"])
@@ -66,21 +69,16 @@ E2E = Histogram("specdecode_e2e_request_latency_seconds", "Request time, end to 
 
 
 class StepMetrics:
-    """Called by the engine loop after every step: fills the step's wire bytes from the
-    remote clients' counters, then records the step."""
+    """Called by the engine loop after every step (the step's wire bytes are counted by the
+    engine from its remote clients): records the step."""
 
-    def __init__(self, engine: SpecDecodeEngine, remotes: list, log_interval_s: float = 5.0):
-        self.engine, self.remotes = engine, remotes
+    def __init__(self, engine: SpecDecodeEngine, log_interval_s: float = 5.0):
+        self.engine = engine
         self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s)
         self.collector.init_tensors(rank=0, device=engine.sampler.device)
-        self._bytes = (0, 0)
         self._accepted_at: list[int] = []
 
     def __call__(self, step: StepStats) -> None:
-        sent = sum(r.bytes_sent for r in self.remotes)
-        received = sum(r.bytes_received for r in self.remotes)
-        step.bytes_sent, step.bytes_received = sent - self._bytes[0], received - self._bytes[1]
-        self._bytes = (sent, received)
         totals = self.engine.sampler.accepted_per_position.tolist()
         by_position = [t - p for t, p in zip(totals, self._accepted_at + [0] * len(totals))]
         self._accepted_at = totals
@@ -89,7 +87,8 @@ class StepMetrics:
             log.info("speculative metrics: acceptance %.3f, efficiency %.3f, draft %d, "
                      "emitted %d, accepted %d, k %d", seed.draft_acceptance_rate,
                      seed.system_efficiency, seed.draft_tokens, seed.emitted_tokens,
-                     seed.accepted_tokens, seed.num_spec_tokens)
+                     seed.accepted_tokens, seed.num_spec_tokens,
+                     extra={"fields": {"event": "spec_decode_metrics", **vars(seed)}})
 
     @staticmethod
     def observe(step: StepStats, running: int, accepted_by_position: list[int]) -> None:
@@ -105,6 +104,7 @@ class StepMetrics:
         NUM_SPEC_TOKENS.set(step.k)
         BATCH.observe(step.batch_size)
         RUNNING.set(running)
+        STEP_SECONDS.observe(step.total_s)
         overhead = step.total_s - step.propose_s - step.score_s - step.verify_s
         for phase, seconds in (("propose", step.propose_s), ("score", step.score_s),
                                ("verify", step.verify_s), ("overhead", overhead)):

@@ -1,12 +1,18 @@
 """The proposer and scorer as seen from the orchestrator: gRPC clients that implement the
 same one-method interfaces as the in-process proposers and scorers, so the engine cannot
-tell them apart. Each counts the bytes it sends and receives."""
+tell them apart. Each counts the bytes it sends and receives.
+
+Every call made under a sampled span gets a CLIENT span, and the current trace context
+travels in the call's metadata (W3C traceparent), so the service's server span is the
+client span's child. Calls outside any span (start-up checks, releases after a cancel) make
+no span and send no context."""
 
 from __future__ import annotations
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdecode import wire
+from specdecode import telemetry, wire
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
@@ -39,15 +45,35 @@ def _any_sampled(req: ExecuteModelRequest) -> bool:
 
 
 class _Remote:
-    def __init__(self, channel: grpc.Channel, stub, timeout_s: float):
+    service = ""  # the full gRPC service name
+
+    def __init__(self, channel: grpc.Channel, stub, timeout_s: float, address: str = ""):
         self.stub, self.timeout_s = stub(channel), timeout_s
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.peer = address
 
-    def _call(self, method, request):
-        response = method(request, timeout=self.timeout_s, wait_for_ready=True)
-        self.bytes_sent += request.ByteSize()
-        self.bytes_received += response.ByteSize()
+    def _call(self, name: str, request):
+        with telemetry.child_span(f"{self.service}/{name}", {
+                "rpc.system": "grpc", "rpc.service": self.service, "rpc.method": name,
+                "server.address": self.peer}, kind=SpanKind.CLIENT,
+                tracer_name="specdecode.client") as span:
+            try:
+                response = getattr(self.stub, name)(request, timeout=self.timeout_s,
+                                                    wait_for_ready=True,
+                                                    metadata=telemetry.trace_metadata())
+            except grpc.RpcError as exc:
+                if span.is_recording() and isinstance(exc, grpc.Call):
+                    span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
+                    span.set_status(Status(StatusCode.ERROR, f"{exc.code().name}: {exc.details()}"))
+                raise
+            sent, received = request.ByteSize(), response.ByteSize()
+            self.bytes_sent += sent
+            self.bytes_received += received
+            if span.is_recording():
+                span.set_attributes({"rpc.grpc.status_code": 0,
+                                     "specdecode.wire.bytes_sent": sent,
+                                     "specdecode.wire.bytes_received": received})
         return response
 
     def model_info(self) -> ModelInfo:
@@ -59,25 +85,29 @@ class _Remote:
         if not seq_ids:
             return 0
         request = model_info_pb2.ReleaseSequencesRequest(seq_ids=seq_ids)
-        return self._call(self.stub.ReleaseSequences, request).released
+        return self._call("ReleaseSequences", request).released
 
 
 class RemoteProposer(_Remote, SpeculativeProposer):
-    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0):
-        super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s)
+    service = "specdecode.v1.ProposerService"
+
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = ""):
+        super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s, address)
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         request = proposer_service_pb2.GetProposalsRequest(
             request=wire.request_to_proto(execute_model_req),
             want_probs=_any_sampled(execute_model_req))
-        response = self._call(self.stub.GetProposals, request)
+        response = self._call("GetProposals", request)
         return wire.proposals_from_proto(response.proposals, "proposals",
                                          batch_size=len(execute_model_req.seq_group_metadata_list))
 
 
 class RemoteScorer(_Remote, SpeculativeScorer):
-    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0):
-        super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s)
+    service = "specdecode.v1.ScorerService"
+
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = ""):
+        super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s, address)
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals,
@@ -86,7 +116,7 @@ class RemoteScorer(_Remote, SpeculativeScorer):
             request=wire.request_to_proto(execute_model_req),
             proposals=wire.proposals_to_proto(proposals),
             want_probs=_any_sampled(execute_model_req), want_logprobs=want_logprobs)
-        response = self._call(self.stub.ScoreProposals, request)
+        response = self._call("ScoreProposals", request)
         return wire.scores_from_proto(response.scores, "scores",
                                       batch_size=len(execute_model_req.seq_group_metadata_list),
                                       num_positions=execute_model_req.num_lookahead_slots + 1)

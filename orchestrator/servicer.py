@@ -14,6 +14,7 @@ from orchestrator import metrics
 from orchestrator.engine import Request, StepOutput
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
+from specdecode import telemetry
 from specdecode.sequence import InvalidRequestError, SamplingParams
 from specdecode.server import Deferred, grpc_status_of
 from specdecode.v1 import spec_decode_service_pb2 as pb
@@ -78,7 +79,7 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await self.require_loaded(context)
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), time.time_ns()
         stop = list(request.stop)
         try:
             req = self.to_request(request)
@@ -89,6 +90,12 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
             metrics.REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.PROMPT.inc(len(req.prompt_token_ids))
+        span = telemetry.RequestSpan("spec_decode.request", {
+            "specdecode.request_id": req.request_id,
+            "specdecode.prompt_tokens": len(req.prompt_token_ids),
+            "specdecode.max_tokens": req.sampling_params.max_tokens,
+            "specdecode.temperature": req.sampling_params.temperature}, start_ns)
+        req.trace_context = span.context
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.loop.submit(req, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
@@ -96,12 +103,14 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
         output: list[int] = []
         finished = False
         last = start
+        item = None
         try:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     metrics.REQUESTS.labels("error").inc()
+                    span.end(_span_attributes(req, output, None, "error"), error=item)
                     await context.abort(_status_for(item), str(item))
                 response, finished = self._response(req, item, output, text)
                 now, n = time.perf_counter(), len(response.token_ids)
@@ -112,13 +121,16 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
                 last = now
                 if finished:
                     metrics.E2E.observe(now - start)
-                    metrics.REQUESTS.labels(pb.FinishReason.Name(response.finish_reason)
-                                            .removeprefix("FINISH_REASON_").lower()).inc()
+                    reason = pb.FinishReason.Name(response.finish_reason) \
+                        .removeprefix("FINISH_REASON_").lower()
+                    metrics.REQUESTS.labels(reason).inc()
+                    span.end(_span_attributes(req, output, item.stats, reason))
                 yield response
         finally:
             if not finished:  # the client cancelled or went away: free the sequence now
                 metrics.REQUESTS.labels("cancelled").inc()
                 self.loop.abort(req.request_id)
+            span.end(_span_attributes(req, output, getattr(item, "stats", None), "cancelled"))
 
     def _response(self, req: Request, out: StepOutput, output: list[int],
                   text: TextStream | None) -> tuple[pb.GenerateResponse, bool]:
@@ -137,6 +149,20 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
             response.finish_reason = FINISH[finish]
             response.usage.CopyFrom(usage_of(len(req.prompt_token_ids), len(output), out.stats))
         return response, finish is not None
+
+
+def _span_attributes(req: Request, output: list[int], stats, finish_reason: str) -> dict:
+    """The request span's closing attributes (usage, as the final response reports it)."""
+    attrs = {"specdecode.completion_tokens": len(output),
+             "specdecode.finish_reason": finish_reason}
+    if stats is not None:
+        attrs.update({"specdecode.draft_tokens": stats.draft_tokens,
+                      "specdecode.accepted_tokens": stats.accepted_tokens,
+                      "specdecode.emitted_tokens": stats.emitted_tokens,
+                      "specdecode.steps": stats.steps})
+        if stats.draft_tokens:
+            attrs["specdecode.acceptance_rate"] = stats.acceptance_rate
+    return attrs
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:

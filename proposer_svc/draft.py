@@ -2,6 +2,7 @@
 
 A greedy sequence proposes the draft's argmax; a sampled one draws from the draft's own
 truncated distribution q, which is returned so rejection sampling stays lossless.
+Each of the k forward passes is a `draft_model.forward` span.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from proposer_svc.common import pack_proposals, speculation_len
+from specdecode import telemetry
 from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
@@ -28,7 +30,10 @@ class DraftModelProposer(SpeculativeProposer):
         for step in range(max(k_seq, default=0)):
             active = [i for i, n in enumerate(k_seq) if n > step]
             batch = [groups[i].with_appended(drafted[i]) for i in active]
-            out = self.worker.execute_model(execute_model_req.clone(batch), want_probs=want_probs)
+            with telemetry.child_span("draft_model.forward", {"specdecode.draft_position": step,
+                                                              "specdecode.batch_size": len(batch)}):
+                out = self.worker.execute_model(execute_model_req.clone(batch),
+                                                want_probs=want_probs)
             for row, i in enumerate(active):
                 drafted[i].append(int(out.sampled_token_ids[row]))
                 if probs is not None:

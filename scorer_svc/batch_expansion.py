@@ -3,6 +3,7 @@
 Each speculating sequence with n proposal tokens becomes n+1 single-query target sequences
 (its tokens with [], [t0], ..., [t0..tn-1] appended) under new sequence ids counted from
 max(input ids)+1; sequences that do not speculate are scored as they are, in the same call.
+Spans: `batch_expansion.expand`, `target_model.forward`, `batch_expansion.contract`.
 The target's output is contracted back to [B, k+1]. Unlike the seed, proposal lengths may
 differ per sequence (n-gram proposals are ragged); a sequence of length n fills n+1 columns.
 """
@@ -14,6 +15,7 @@ from itertools import count
 
 import torch
 
+from specdecode import telemetry
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from specdecode.worker import ModelWorker
@@ -85,12 +87,19 @@ class BatchExpansionTop1Scorer(SpeculativeScorer):
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals,
                         want_logprobs: bool = False) -> SpeculativeScores:
-        batch = expand_batch(execute_model_req, proposals)
-        want_probs = any(not sg.sampling_params.greedy
-                         for sg in execute_model_req.seq_group_metadata_list)
-        out = self.worker.execute_model(execute_model_req.clone(batch.target_groups),
-                                        want_probs=want_probs, want_logprobs=want_logprobs)
-        return contract_batch(batch, out, execute_model_req.num_lookahead_slots)
+        groups = execute_model_req.seq_group_metadata_list
+        with telemetry.child_span("batch_expansion.expand",
+                                  {"specdecode.batch_size": len(groups)}) as span:
+            batch = expand_batch(execute_model_req, proposals)
+            telemetry.set_attributes(span, {"specdecode.expanded_rows": len(batch.target_groups),
+                                            "specdecode.spec_sequences": len(batch.spec_indices)})
+        want_probs = any(not sg.sampling_params.greedy for sg in groups)
+        with telemetry.child_span("target_model.forward",
+                                  {"specdecode.batch_size": len(batch.target_groups)}):
+            out = self.worker.execute_model(execute_model_req.clone(batch.target_groups),
+                                            want_probs=want_probs, want_logprobs=want_logprobs)
+        with telemetry.child_span("batch_expansion.contract"):
+            return contract_batch(batch, out, execute_model_req.num_lookahead_slots)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         return self.worker.release_sequences(seq_ids)

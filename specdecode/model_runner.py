@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 from transformers import DynamicCache
 
 
@@ -50,6 +52,17 @@ class RunnerStats:
     forward_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class ForwardStats:
+    """One forward pass, as handed to ModelRunner.on_forward (service metrics)."""
+
+    batch_size: int  # rows
+    tokens_computed: int  # new tokens fed to the model
+    cache_hits: int
+    cache_misses: int
+    seconds: float
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -69,6 +82,8 @@ class ModelRunner:
         self.max_cached_sequences = max_cached_sequences
         self._cache: OrderedDict[int, _CacheEntry] = OrderedDict()
         self.stats = RunnerStats()
+        # Called after every forward pass (e.g. to observe Prometheus histograms).
+        self.on_forward: Callable[[ForwardStats], None] | None = None
 
     @property
     def num_cached_sequences(self) -> int:
@@ -116,12 +131,22 @@ class ModelRunner:
         results = [logits[i, n - r.num_queries:n] for i, (r, n) in enumerate(zip(rows, new))]
 
         self._store(rows, past, new, P, cache)
-        hits = sum(p > 0 for p in past)
+        hits, computed = sum(p > 0 for p in past), sum(new)
+        seconds = time.perf_counter() - start
         self.stats.cache_hits += hits
         self.stats.cache_misses += B - hits
-        self.stats.tokens_computed += sum(new)
+        self.stats.tokens_computed += computed
         self.stats.forward_calls += 1
-        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forward_seconds += seconds
+        span = trace.get_current_span()  # the caller's forward span, when traced
+        if span.is_recording():
+            span.set_attributes({"specdecode.forward.rows": B,
+                                 "specdecode.forward.tokens_computed": computed,
+                                 "specdecode.forward.cached_tokens": sum(past),
+                                 "specdecode.kv_cache.hits": hits,
+                                 "specdecode.kv_cache.misses": B - hits})
+        if self.on_forward is not None:
+            self.on_forward(ForwardStats(B, computed, hits, B - hits, seconds))
         return results
 
     def _stack_past(self, rows: list[RunnerRow], past: list[int], P: int):

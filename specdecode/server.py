@@ -1,5 +1,6 @@
 """What every specdecode gRPC server shares: options, health, reflection, error mapping,
-Prometheus endpoint, and a graceful shutdown on SIGTERM that really drains."""
+Prometheus endpoint, tracing of its calls, and a graceful shutdown on SIGTERM that really
+drains."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import functools
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,11 +16,27 @@ import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from specdecode import telemetry
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
+
+RPC_SECONDS = prometheus_client.Histogram(
+    "specdecode_rpc_server_duration_seconds",
+    "Time to handle one call of a specdecode service (health and reflection excluded); a "
+    "Generate call lasts its whole stream.", ["method", "code"],
+    buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+
+# Server span status is ERROR for these codes (OpenTelemetry RPC conventions); a client's
+# bad input (INVALID_ARGUMENT, ...) is the client's error, recorded as the code only.
+SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
+                                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 
 @dataclass(frozen=True)
@@ -69,24 +87,164 @@ def map_errors(method: Callable) -> Callable:
         try:
             return await method(self, request, context)
         except (InvalidRequestError, IncompatibleModelsError) as exc:
+            trace.get_current_span().record_exception(exc)
             await context.abort(grpc_status_of(exc), str(exc))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            trace.get_current_span().record_exception(exc)
             log.exception("%s failed", method.__qualname__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     return wrapper
 
 
-class GrpcServer:
-    """A grpc.aio server with health (NOT_SERVING until `set_serving`) and reflection."""
+class _CallObserver:
+    """One call: its server span (None when not traced) and its duration metric."""
 
-    def __init__(self, options: ServerOptions, service_names: list[str]):
+    __slots__ = ("method", "span", "context", "start")
+
+    def __init__(self, method: str, span, context):
+        self.method, self.span, self.context = method, span, context
+        self.start = time.perf_counter()
+
+    def attach(self):
+        return None if self.context is None else otel_context.attach(self.context)
+
+    @staticmethod
+    def detach(token) -> None:
+        if token is not None:
+            otel_context.detach(token)
+
+    def finish(self, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+        elif exc is not None and not isinstance(exc, grpc.aio.AbortError):
+            code = grpc.StatusCode.UNKNOWN
+        else:
+            code = context.code() or grpc.StatusCode.OK
+            if isinstance(code, int):  # context.code() may hand back the raw value
+                code = next((c for c in grpc.StatusCode if c.value[0] == code),
+                            grpc.StatusCode.UNKNOWN)
+        RPC_SECONDS.labels(self.method, code.name).observe(time.perf_counter() - self.start)
+        span = self.span
+        if span is None:
+            return
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+            span.record_exception(exc)
+        if code in SERVER_ERROR_CODES:
+            details = context.details() if exc is None or isinstance(exc, grpc.aio.AbortError) \
+                else f"{type(exc).__name__}: {exc}"
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
+        span.end()
+
+
+class ServerTracing(grpc.aio.ServerInterceptor):
+    """Server spans and call durations for the specdecode services (health checks and
+    reflection pass untouched).
+
+    The W3C trace context is read from the call's metadata. A sampled incoming context gets
+    a SERVER span as its child; an unsampled one gets nothing (its step was not traced). A
+    call with no context starts a new trace only if `start_traces` (the public API does;
+    the proposer and scorer only continue their caller's traces, so their start-up and
+    housekeeping calls make no stray root traces)."""
+
+    def __init__(self, start_traces: bool = True):
+        self.start_traces = start_traces
+        self._handlers: dict[str, tuple[object, object]] = {}
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith("/specdecode."):
+            return handler
+        cached = self._handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        if handler.unary_unary is not None:
+            wrapped = grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method[1:]),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        elif handler.unary_stream is not None:
+            wrapped = grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method[1:]),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        else:
+            return handler
+        self._handlers[method] = (handler, wrapped)
+        return wrapped
+
+    def _observe(self, name: str, context: grpc.aio.ServicerContext) -> _CallObserver:
+        method = name.rsplit(".", 1)[-1]  # "ProposerService/GetProposals"
+        if not telemetry.enabled():
+            return _CallObserver(method, None, None)
+        parent = telemetry.extract_context(context.invocation_metadata())
+        sc = telemetry.span_context_of(parent)
+        if (sc.is_valid and not sc.trace_flags.sampled) or (not sc.is_valid and not self.start_traces):
+            return _CallObserver(method, None, None)
+        service, rpc_method = name.split("/", 1)
+        span = telemetry.tracer("specdecode.server").start_span(
+            name, context=parent, kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method})
+        return _CallObserver(method, span, trace.set_span_in_context(span, parent))
+
+    def _unary(self, behavior, name: str):
+        async def traced(request, context):
+            call = self._observe(name, context)
+            token = call.attach()
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                call.finish(context, exc)
+                raise
+            finally:
+                call.detach(token)
+            call.finish(context, None)
+            return response
+        return traced
+
+    def _stream(self, behavior, name: str):
+        async def traced(request, context):
+            # The context is attached only while the handler runs (around each __anext__),
+            # never across a yield: the stream may be finished or closed by another task.
+            call = self._observe(name, context)
+            responses = behavior(request, context)
+            error: BaseException | None = None
+            try:
+                while True:
+                    token = call.attach()
+                    try:
+                        response = await responses.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        call.detach(token)
+                    yield response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                try:
+                    await responses.aclose()
+                finally:
+                    call.finish(context, error)
+        return traced
+
+
+class GrpcServer:
+    """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection, and
+    server spans (see ServerTracing; `start_traces` is False for the internal services)."""
+
+    def __init__(self, options: ServerOptions, service_names: list[str],
+                 start_traces: bool = True):
         self.options = options
-        self.server = grpc.aio.server(options=options.channel_options)
+        self.server = grpc.aio.server(options=options.channel_options,
+                                      interceptors=[ServerTracing(start_traces)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

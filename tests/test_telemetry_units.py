@@ -1,0 +1,302 @@
+"""Telemetry in-process: the set-up function, step-span sampling and the span model of the
+engine, the log formats, and the Prometheus->OTLP metrics conversion."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+
+import prometheus_client
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from opentelemetry.util._once import Once
+
+from specdecode import telemetry
+from tests.conftest import greedy_request, make_engine
+
+ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
+
+
+# -- set-up ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env", [
+    {},
+    # What the Helm chart sets when no endpoint is configured.
+    {"OTEL_SERVICE_NAME": "specdecode-scorer", "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+     "OTEL_TRACES_SAMPLER_ARG": "1.0", "OTEL_TRACES_EXPORTER": "none",
+     "OTEL_RESOURCE_ATTRIBUTES": "k8s.pod.name=p"},
+    {**ENDPOINT, "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+    {**ENDPOINT, "OTEL_SDK_DISABLED": "true"},
+])
+def test_unconfigured_creates_nothing_and_prints_nothing(env, capfd):
+    before = trace.get_tracer_provider()
+    t = telemetry.configure("scorer", env=env)
+    assert t.tracer_provider is None and t.metrics_bridge is None and not t.tracing
+    assert trace.get_tracer_provider() is before
+    assert not telemetry.enabled()
+    with telemetry.child_span("x") as span:  # the library's spans are no-ops
+        assert not span.is_recording()
+    t.shutdown()
+    out = capfd.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_exporter_choice():
+    assert telemetry.trace_exporter_names(ENDPOINT) == ["otlp"]
+    assert telemetry.trace_exporter_names({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "x"}) == ["otlp"]
+    assert telemetry.trace_exporter_names({}, console=True) == ["console"]
+    assert telemetry.trace_exporter_names(ENDPOINT, console=True) == ["otlp", "console"]
+    assert telemetry.trace_exporter_names({"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER: 'zipkin'"):
+        telemetry.trace_exporter_names({"OTEL_TRACES_EXPORTER": "zipkin"})
+    assert telemetry.metrics_exporter_enabled(ENDPOINT)
+    assert not telemetry.metrics_exporter_enabled({})
+    assert not telemetry.metrics_exporter_enabled({**ENDPOINT, "OTEL_METRICS_EXPORTER": "none"})
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        telemetry.configure("scorer", env={**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+                            set_global=False)
+
+
+def test_configured_provider_resource_and_console(capfd):
+    env = {**ENDPOINT, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "sd-proposer",
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,team=a%20b"}
+    t = telemetry.configure("proposer", console=True, env=env, set_global=False)
+    try:
+        attrs = t.tracer_provider.resource.attributes
+        assert attrs["service.name"] == "sd-proposer"
+        assert attrs["deployment.environment"] == "test" and attrs["team"] == "a b"
+        assert attrs["specdecode.role"] == "proposer"
+        assert t.metrics_bridge is not None  # an endpoint alone turns OTLP metrics on
+        t.tracer_provider.get_tracer("t").start_span("hello").end()
+    finally:
+        t.metrics_bridge.exporter.shutdown()  # never started: nothing to flush
+        t.metrics_bridge = None
+        t.shutdown()
+    printed = capfd.readouterr().out
+    assert json.loads(printed)["name"] == "hello"
+    default = telemetry.build_resource("scorer", {})
+    assert default.attributes["service.name"] == "specdecode-scorer"
+
+
+def test_parse_trace_steps():
+    assert telemetry.parse_trace_steps("all") == 1
+    assert telemetry.parse_trace_steps("none") == 0
+    assert telemetry.parse_trace_steps("5") == 5
+    assert telemetry.parse_trace_steps(0) == 0
+    for bad in ("-1", "some"):
+        with pytest.raises(ValueError):
+            telemetry.parse_trace_steps(bad)
+
+
+# -- spans of the engine --------------------------------------------------------------------
+
+@pytest.fixture
+def exporter():
+    """A global SDK provider with an in-memory exporter, restored afterwards (the API lets a
+    process set its provider once; tests reset that guard)."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace.set_tracer_provider(provider)
+    try:
+        yield memory
+    finally:
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+        provider.shutdown()
+
+
+def traced_requests(prompts, max_tokens=16):
+    spans, requests = [], []
+    for i, prompt in enumerate(prompts):
+        span = telemetry.RequestSpan("spec_decode.request", {"specdecode.request_id": f"r{i}"})
+        request = greedy_request(f"r{i}", prompt, max_tokens)
+        request.trace_context = span.context
+        spans.append(span)
+        requests.append(request)
+    return spans, requests
+
+
+def run_engine(target_model, draft_model, trace_every, prompts=([5, 17, 99, 3],), max_tokens=16):
+    engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+    engine.trace_every = trace_every
+    spans, requests = traced_requests(prompts, max_tokens)
+    done = engine.generate(requests)
+    for span in spans:
+        span.end()
+    return engine, done
+
+
+def by_name(spans, name):
+    return [s for s in spans if s.name == name]
+
+
+def test_step_spans_sit_in_the_request_trace(exporter, target_model, draft_model):
+    engine, done = run_engine(target_model, draft_model, trace_every=1)
+    spans = exporter.get_finished_spans()
+    (request,) = by_name(spans, "spec_decode.request")
+    steps = by_name(spans, "spec_decode.step")
+    assert len(steps) == engine.steps == done["r0"].stats.steps
+    assert {s.context.trace_id for s in spans} == {request.context.trace_id}
+    assert all(s.parent.span_id == request.context.span_id for s in steps)
+    step_ids = {s.context.span_id for s in steps}
+    for name in ("propose", "score", "rejection_sample"):
+        children = by_name(spans, name)
+        assert len(children) == len(steps) and all(c.parent.span_id in step_ids for c in children)
+    assert sum(s.attributes["specdecode.accepted_tokens"] for s in steps) == \
+        done["r0"].stats.accepted_tokens
+    assert sum(s.attributes["specdecode.draft_tokens"] for s in steps) == \
+        done["r0"].stats.draft_tokens
+    assert sum(s.attributes["specdecode.new_tokens"] for s in steps) == 16
+
+
+@pytest.mark.parametrize("every", [0, 3])
+def test_step_sampling_drops_step_spans_and_their_children(exporter, target_model, draft_model,
+                                                           every):
+    engine, done = run_engine(target_model, draft_model, trace_every=every)
+    spans = exporter.get_finished_spans()
+    kept = 0 if every == 0 else math.ceil(engine.steps / every)
+    assert len(by_name(spans, "spec_decode.step")) == kept
+    for name in ("propose", "score", "rejection_sample", "batch_expansion.expand",
+                 "target_model.forward", "batch_expansion.contract"):
+        assert len(by_name(spans, name)) == kept
+    assert len(by_name(spans, "spec_decode.request")) == 1
+    # Nothing from an untraced step: every other span descends from a kept step span.
+    parents = {s.context.span_id: s for s in spans}
+    for span in spans:
+        while span.name not in ("spec_decode.step", "spec_decode.request"):
+            span = parents[span.parent.span_id]
+    assert len(by_name(spans, "draft_model.forward")) <= 3 * kept
+
+
+def test_a_shared_step_links_the_other_requests(exporter, target_model, draft_model):
+    engine, done = run_engine(target_model, draft_model, 1, prompts=([5, 17, 99, 3], [42], [9] * 5))
+    spans = exporter.get_finished_spans()
+    requests = {s.attributes["specdecode.request_id"]: s for s in by_name(spans, "spec_decode.request")}
+    first = by_name(spans, "spec_decode.step")[0]
+    assert first.attributes["specdecode.batch_size"] == 3
+    assert first.parent.span_id == requests["r0"].context.span_id  # the oldest request
+    assert list(first.attributes["specdecode.request_ids"]) == ["r0", "r1", "r2"]
+    assert {link.context.span_id for link in first.links} == \
+        {requests["r1"].context.span_id, requests["r2"].context.span_id}
+
+
+def test_unsampled_requests_make_no_step_spans(exporter, target_model, draft_model):
+    engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+    request = greedy_request("r0", [5, 17, 99, 3], 8)
+    sc = trace.SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=trace.TraceFlags(0))
+    request.trace_context = trace.set_span_in_context(trace.NonRecordingSpan(sc))
+    engine.generate([request])
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_failed_step_records_the_error(exporter, target_model, draft_model):
+    engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+
+    def broken(req):
+        raise RuntimeError("proposer is gone")
+    engine.proposer.get_proposals = broken
+    spans, requests = traced_requests([[5, 17, 99, 3]])
+    engine.add_request(requests[0])
+    with pytest.raises(RuntimeError):
+        engine.step()
+    (step,) = by_name(exporter.get_finished_spans(), "spec_decode.step")
+    (propose,) = by_name(exporter.get_finished_spans(), "propose")
+    for span in (step, propose):
+        assert span.status.status_code == StatusCode.ERROR
+        assert any(e.name == "exception" and "proposer is gone" in e.attributes["exception.message"]
+                   for e in span.events)
+
+
+def test_tracing_off_engine_makes_no_spans(target_model, draft_model):
+    assert not telemetry.enabled()
+    engine, done = run_engine(target_model, draft_model, trace_every=1, max_tokens=4)
+    assert done["r0"].stats.steps  # ran, with nothing to export to
+
+
+# -- logs -----------------------------------------------------------------------------------
+
+def log_lines(fmt, emit) -> list[str]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(telemetry.TraceContextFilter())
+    handler.setFormatter(telemetry.JsonFormatter("specdecode-test") if fmt == "json"
+                         else telemetry.TextFormatter())
+    logger = logging.getLogger("specdecode.test_logs")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        emit(logger)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue().splitlines()
+
+
+def test_json_logs_carry_trace_and_span_ids(exporter):
+    def emit(logger):
+        logger.info("outside")
+        with telemetry.tracer("t").start_as_current_span("work"):
+            logger.info("inside %d", 1, extra={"fields": {"rate": float("nan"), "n": 2}})
+            try:
+                raise ValueError("boom")
+            except ValueError:
+                logger.exception("failed")
+    outside, inside, failed = [json.loads(line) for line in log_lines("json", emit)]
+    (span,) = exporter.get_finished_spans()
+    assert "trace_id" not in outside and outside["message"] == "outside"
+    assert outside["service"] == "specdecode-test" and outside["level"] == "INFO"
+    assert inside["trace_id"] == format(span.context.trace_id, "032x")
+    assert inside["span_id"] == format(span.context.span_id, "016x")
+    assert inside["message"] == "inside 1" and inside["n"] == 2 and inside["rate"] == "nan"
+    assert "ValueError: boom" in failed["exception"] and failed["level"] == "ERROR"
+
+
+def test_text_logs_append_trace_ids(exporter):
+    def emit(logger):
+        with telemetry.tracer("t").start_as_current_span("work"):
+            logger.info("hello")
+    (line,) = log_lines("text", emit)
+    (span,) = exporter.get_finished_spans()
+    assert line.endswith(f"hello trace_id={span.context.trace_id:032x} "
+                         f"span_id={span.context.span_id:016x}")
+
+
+# -- Prometheus -> OTLP ---------------------------------------------------------------------
+
+def test_prometheus_registry_converts_to_otlp_metrics():
+    registry = prometheus_client.CollectorRegistry()
+    c = prometheus_client.Counter("specdecode_things", "Things.", ["kind"], registry=registry)
+    g = prometheus_client.Gauge("specdecode_level", "Level.", registry=registry)
+    h = prometheus_client.Histogram("specdecode_wait_seconds", "Wait.", buckets=(0.1, 1.0),
+                                    registry=registry)
+    prometheus_client.Counter("other_total", "Not ours.", registry=registry).inc()
+    c.labels("a").inc(3)
+    g.set(float("nan"))
+    for v in (0.05, 0.5, 0.7, 5.0):
+        h.observe(v)
+    metrics = {m.name: m for m in telemetry.prometheus_to_otlp(registry, start_time_ns=1)}
+    assert set(metrics) == {"specdecode_things", "specdecode_level", "specdecode_wait_seconds"}
+    (point,) = metrics["specdecode_things"].data.data_points
+    assert metrics["specdecode_things"].data.is_monotonic
+    assert point.value == 3 and point.attributes == {"kind": "a"} and point.start_time_unix_nano == 1
+    assert math.isnan(metrics["specdecode_level"].data.data_points[0].value)
+    (hp,) = metrics["specdecode_wait_seconds"].data.data_points
+    assert list(hp.explicit_bounds) == [0.1, 1.0] and list(hp.bucket_counts) == [1, 2, 1]
+    assert hp.count == 4 and hp.sum == pytest.approx(6.25)
+    # and the OTLP encoder accepts them
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    data = MetricsData([ResourceMetrics(Resource.create({}), [ScopeMetrics(
+        InstrumentationScope("s"), list(metrics.values()), "")], "")])
+    encoded = encode_metrics(data)
+    names = {m.name for m in encoded.resource_metrics[0].scope_metrics[0].metrics}
+    assert names == set(metrics)
