@@ -9,7 +9,10 @@ no span and send no context."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import telemetry, wire
@@ -28,7 +31,10 @@ class ServiceUnreachableError(RuntimeError):
 
 def connect(role: str, address: str, options: list[tuple[str, int]],
             timeout_s: float) -> grpc.Channel:
-    """A channel that is ready, or ServiceUnreachableError naming the role and address."""
+    """A channel to a service that reports SERVING, or ServiceUnreachableError naming the
+    role and address. (A service opens its port before its model is loaded and answers
+    UNAVAILABLE until then, so a reachable port is not enough.)"""
+    deadline = time.monotonic() + timeout_s
     channel = grpc.insecure_channel(address, options=options)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
@@ -37,7 +43,21 @@ def connect(role: str, address: str, options: list[tuple[str, int]],
         raise ServiceUnreachableError(
             f"cannot reach the {role} at {address} within {timeout_s:.0f}s "
             f"(is `specdecode serve {role}` running there?)") from None
-    return channel
+    health = health_pb2_grpc.HealthStub(channel)
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=max(0.5, min(5, left)))
+            if status.status == health_pb2.HealthCheckResponse.SERVING:
+                return channel
+        except grpc.RpcError:
+            pass
+        if left <= 0:
+            channel.close()
+            raise ServiceUnreachableError(
+                f"the {role} at {address} did not report SERVING within {timeout_s:.0f}s "
+                f"(still loading its model?)")
+        time.sleep(0.2)
 
 
 def _any_sampled(req: ExecuteModelRequest) -> bool:

@@ -87,8 +87,9 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
 
     def load():
         channels = options.channel_options
-        proposer = RemoteProposer(connect("proposer", proposer_address, channels, connect_timeout_s),
-                                  address=proposer_address)
+        proposer = RemoteProposer(
+            connect("proposer", proposer_address, channels, connect_timeout_s),
+            address=proposer_address)
         scorer = RemoteScorer(connect("scorer", scorer_address, channels, connect_timeout_s),
                               address=scorer_address)
         p_info, s_info = proposer.model_info(), scorer.model_info()

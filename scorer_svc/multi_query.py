@@ -26,8 +26,8 @@ class MultiQueryScorer(SpeculativeScorer):
             token_ids = proposals.proposal_token_ids.tolist()  # [B, k]
             extended = [sg.with_appended(token_ids[i][:lens[i]]) for i, sg in enumerate(groups)]
         want_probs = any(not sg.sampling_params.greedy for sg in groups)
-        with telemetry.child_span("target_model.forward", {"specdecode.batch_size": len(groups),
-                                                           "specdecode.query_rows": sum(lens) + len(lens)}):
+        with telemetry.child_span("target_model.forward", {
+                "specdecode.batch_size": len(groups), "specdecode.query_rows": sum(lens) + len(lens)}):
             out = self.worker.score_rows(extended, [n + 1 for n in lens], want_probs, want_logprobs)
         with telemetry.child_span("multi_query.scatter"):
             rows = torch.tensor([i for i, n in enumerate(lens) for _ in range(n + 1)],

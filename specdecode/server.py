@@ -119,7 +119,7 @@ class _CallObserver:
             otel_context.detach(token)
 
     def finish(self, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
-        if isinstance(exc, asyncio.CancelledError):
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the client went away
             code = grpc.StatusCode.CANCELLED
         elif exc is not None and not isinstance(exc, grpc.aio.AbortError):
             code = grpc.StatusCode.UNKNOWN
@@ -133,7 +133,8 @@ class _CallObserver:
         if span is None:
             return
         span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
+        if exc is not None and not isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError,
+                                                    GeneratorExit)):
             span.record_exception(exc)
         if code in SERVER_ERROR_CODES:
             details = context.details() if exc is None or isinstance(exc, grpc.aio.AbortError) \
@@ -147,10 +148,11 @@ class ServerTracing(grpc.aio.ServerInterceptor):
     reflection pass untouched).
 
     The W3C trace context is read from the call's metadata. A sampled incoming context gets
-    a SERVER span as its child; an unsampled one gets nothing (its step was not traced). A
-    call with no context starts a new trace only if `start_traces` (the public API does;
-    the proposer and scorer only continue their caller's traces, so their start-up and
-    housekeeping calls make no stray root traces)."""
+    a SERVER span as its child; an unsampled one gets no span and silences the call's
+    children (its step, or its whole request, is not traced). A call with no context
+    starts a new trace only if `start_traces` (the public API does; the proposer and scorer
+    only continue their caller's traces, so their start-up and housekeeping calls make no
+    stray root traces)."""
 
     def __init__(self, start_traces: bool = True):
         self.start_traces = start_traces
@@ -185,7 +187,11 @@ class ServerTracing(grpc.aio.ServerInterceptor):
             return _CallObserver(method, None, None)
         parent = telemetry.extract_context(context.invocation_metadata())
         sc = telemetry.span_context_of(parent)
-        if (sc.is_valid and not sc.trace_flags.sampled) or (not sc.is_valid and not self.start_traces):
+        if sc.is_valid and not sc.trace_flags.sampled:
+            # The caller does not sample this call: no span, but its unsampled context
+            # becomes current, so nothing under it is sampled either.
+            return _CallObserver(method, None, parent)
+        if not sc.is_valid and not self.start_traces:
             return _CallObserver(method, None, None)
         service, rpc_method = name.split("/", 1)
         span = telemetry.tracer("specdecode.server").start_span(

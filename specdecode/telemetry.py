@@ -66,18 +66,38 @@ def _sampled(span_context: SpanContext) -> bool:
     return span_context.is_valid and span_context.trace_flags.sampled
 
 
-@contextlib.contextmanager
-def child_span(name: str, attributes: Mapping[str, Any] | None = None, *,
-               kind: SpanKind = SpanKind.INTERNAL,
-               tracer_name: str = "specdecode") -> Iterator[trace.Span]:
+class child_span:
     """A span under the current one, only if the current one is sampled; else a no-op span.
-    Exceptions are recorded on the span and set its status to ERROR."""
-    if not _sampled(trace.get_current_span().get_span_context()):
-        yield INVALID_SPAN
-        return
-    with tracer(tracer_name).start_as_current_span(name, kind=kind,
-                                                   attributes=attributes) as span:
-        yield span
+    Exceptions are recorded on the span and set its status to ERROR. (A plain class rather
+    than a generator context manager: it runs a dozen times per step.)"""
+
+    __slots__ = ("name", "attributes", "kind", "tracer_name", "span", "token")
+
+    def __init__(self, name: str, attributes: Mapping[str, Any] | None = None, *,
+                 kind: SpanKind = SpanKind.INTERNAL, tracer_name: str = "specdecode"):
+        self.name, self.attributes = name, attributes
+        self.kind, self.tracer_name = kind, tracer_name
+        self.span: trace.Span = INVALID_SPAN
+        self.token = None
+
+    def __enter__(self) -> trace.Span:
+        if not _sampled(trace.get_current_span().get_span_context()):
+            return INVALID_SPAN
+        self.span = tracer(self.tracer_name).start_span(self.name, kind=self.kind,
+                                                         attributes=self.attributes)
+        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self.token is None:
+            return False
+        otel_context.detach(self.token)
+        self.token = None
+        if exc is not None and self.span.is_recording():
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
+        self.span.end()
+        return False
 
 
 def set_attributes(span: trace.Span, attributes: Mapping[str, Any]) -> None:
@@ -190,7 +210,8 @@ def parse_trace_steps(value: str | int) -> int:
     except ValueError:
         n = -1
     if n < 0:
-        raise ValueError(f"trace steps: must be 'all', 'none' or a step interval >= 0, got {value!r}")
+        raise ValueError(f"trace steps: must be 'all', 'none' or a step interval >= 0, "
+                         f"got {value!r}")
     return n
 
 
@@ -332,13 +353,22 @@ def _otlp_exporter(env: Mapping[str, str], signal: str):
     else:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported "
                          "(use grpc or http/protobuf)")
+    # Exporters read the rest of OTEL_EXPORTER_OTLP_* (headers, timeout, TLS) themselves;
+    # the endpoint is passed so that `env` is the one that counts.
+    endpoint = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    if not endpoint and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        if protocol == "http/protobuf":  # the base URL: add the signal's path
+            path = "/v1/traces" if signal == "TRACES" else "/v1/metrics"
+            endpoint = endpoint.rstrip("/") + path
     import importlib
     try:
-        return getattr(importlib.import_module(module), cls)()
+        exporter_cls = getattr(importlib.import_module(module), cls)
     except ImportError:
         package = "opentelemetry-exporter-otlp-proto-" + ("grpc" if protocol == "grpc" else "http")
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol} needs the Python package "
                          f"{package}; install it or use grpc") from None
+    return exporter_cls(endpoint=endpoint) if endpoint else exporter_cls()
 
 
 def _resource_attributes(env: Mapping[str, str]) -> dict[str, str]:
@@ -491,6 +521,7 @@ class PrometheusOtlpBridge:
         self.interval_s = max(interval_s, 0.05)
         self.registry = registry or prometheus_client.REGISTRY
         self.start_time_ns = time.time_ns()
+        self._failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="otlp-metrics", daemon=True)
 
@@ -505,7 +536,9 @@ class PrometheusOtlpBridge:
             return
         scope = ScopeMetrics(InstrumentationScope("specdecode.prometheus"), metrics, schema_url="")
         data = MetricsData([ResourceMetrics(self.resource, [scope], schema_url="")])
-        self.exporter.export(data)
+        result = self.exporter.export(data)
+        if getattr(result, "name", "SUCCESS") != "SUCCESS":
+            raise RuntimeError(f"the exporter reported {result.name}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -514,12 +547,17 @@ class PrometheusOtlpBridge:
     def _safe_export(self) -> None:
         try:
             self.export_once()
+            self._failing = False
         except Exception as exc:  # an unreachable collector must not take a server down
+            self._failing = True
             log.warning("OTLP metrics export failed: %s", exc)
 
     def shutdown(self) -> None:
+        """Stop the thread and push the final values, unless the last push failed (a dead
+        collector must not hold up a draining server for another export timeout)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._safe_export()
+        if not self._failing:
+            self._safe_export()
         self.exporter.shutdown()

@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from orchestrator.client import SpecDecodeClient
+from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate, build_request
 from orchestrator.stack import LocalStack, StackConfig, free_port, wait_serving
 from specdecode import wire
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
@@ -134,8 +134,21 @@ def model_dirs(tmp_path_factory, target_model):
     return {"target": str(root / "target"), "draft": str(root / "draft")}
 
 
-def run_once(model_dirs, scoring: str = "batch-expansion", **env) -> Run:
-    """Start the stack exporting to a fresh receiver, run one Generate, scrape, stop."""
+def generate(client: SpecDecodeClient, traceparent: str | None = None, **params):
+    """One Generate, optionally as part of the caller's trace (W3C traceparent)."""
+    result = GenerateResult()
+    metadata = [("traceparent", traceparent)] if traceparent else None
+    params = {"max_tokens": MAX_TOKENS, **params}
+    for response in client.stub.Generate(build_request(PROMPT, **params),
+                                         metadata=metadata, timeout=120):
+        accumulate(result, response)
+    return result
+
+
+def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | None = None,
+             unsampled_too: bool = False, **env) -> Run:
+    """Start the stack exporting to a fresh receiver, run one Generate (and, with
+    `unsampled_too`, a second one whose caller does not sample it), scrape, stop."""
     receiver = Receiver()
     stack = LocalStack(StackConfig(
         target_model=model_dirs["target"], draft_model=model_dirs["draft"], tokenizer="none",
@@ -144,7 +157,14 @@ def run_once(model_dirs, scoring: str = "batch-expansion", **env) -> Run:
     try:
         stack.start()
         with SpecDecodeClient(stack.address) as client:
-            result = client.generate(PROMPT, max_tokens=MAX_TOKENS, request_id="obs-1")
+            result = generate(client, traceparent, request_id="obs-1")
+            if unsampled_too:
+                untraced = f"00-{'ab' * 16}-{'cd' * 8}-00"
+                unsampled = generate(client, untraced, request_id="obs-2")
+                assert unsampled.token_ids == result.token_ids
+                with pytest.raises(grpc.RpcError) as err:  # bad input, counted by its code
+                    generate(client, untraced, max_tokens=-1)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         metrics = {role: scrape(port) for role, port in stack.metrics_ports.items()}
     finally:
         codes = stack.stop()
@@ -331,9 +351,17 @@ def test_metrics_also_go_over_otlp(run):
 
 def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_dirs):
     """SPECDECODE_TRACE_STEPS=3 (with multi-query scoring, the other scorer): a third of the
-    step spans, and of everything under them in all three services, and nothing else."""
-    sampled = run_once(model_dirs, "multi-query", SPECDECODE_TRACE_STEPS="3")
+    step spans, and of everything under them in all three services, and nothing else. The
+    request continues its caller's trace; a second request its caller does not sample
+    leaves no span at all."""
+    sampled = run_once(model_dirs, "multi-query", traceparent=TRACEPARENT, unsampled_too=True,
+                       SPECDECODE_TRACE_STEPS="3")
     assert sampled.result.token_ids == run.result.token_ids
+    assert {s.trace_id for s in sampled.spans} == {TRACE_ID}
+    (generate_span,) = sampled.named("specdecode.v1.SpecDecodeService/Generate")
+    assert generate_span.parent == TRACEPARENT.split("-")[2]
+    assert [s.attributes["specdecode.request_id"] for s in sampled.named("spec_decode.request")] \
+        == ["obs-1"]
     steps = sampled.result.usage["steps"]
     kept = math.ceil(steps / 3)
     assert len(sampled.named("spec_decode.step")) == kept
@@ -344,13 +372,17 @@ def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_di
         assert len(sampled.named(name)) == kept, name
     for service in ("ProposerService/GetProposals", "ScorerService/ScoreProposals"):
         assert len(sampled.named(f"specdecode.v1.{service}")) == 2 * kept  # client + server
-    assert len(sampled.named("spec_decode.request")) == 1
-    assert len({s.trace_id for s in sampled.spans}) == 1
     assert len(sampled.spans) < len(run.spans) / 2
     counts = Counter(s.name for s in sampled.spans)
     assert counts["draft_model.forward"] < len(run.named("draft_model.forward"))
     # metrics are not sampled
-    assert sampled.metrics["orchestrator"]["specdecode_steps_total"] == steps
+    m = sampled.metrics["orchestrator"]
+    assert m["specdecode_steps_total"] == 2 * steps
+    assert m['specdecode_rpc_server_duration_seconds_count{code="OK",'
+             'method="SpecDecodeService/Generate"}'] == 2
+    assert m['specdecode_rpc_server_duration_seconds_count{code="INVALID_ARGUMENT",'
+             'method="SpecDecodeService/Generate"}'] == 1
+    assert m['specdecode_requests_total{outcome="invalid"}'] == 1
 
 
 # -- a process with no OTEL_* configuration -----------------------------------------------------
@@ -395,6 +427,17 @@ def test_no_otel_configuration_prints_no_spans_and_logs_json():
     assert any(line["message"].startswith("listening on") for line in lines)
 
 
+def test_a_bad_otel_configuration_is_a_clear_startup_error():
+    env = {**clean_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "proposer",
+                          "--port", str(free_port())], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "error: OTEL_EXPORTER_OTLP_PROTOCOL: 'http/json' is not supported" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_trace_console_prints_the_continued_span():
     out, _ = serve_ngram_proposer("--trace-console", env=clean_env())
     decoder, spans, text = json.JSONDecoder(), [], out.strip()
@@ -407,3 +450,24 @@ def test_trace_console_prints_the_continued_span():
     assert span["context"]["trace_id"] == "0x" + TRACE_ID
     assert span["parent_id"] == "0x00f067aa0ba902b7"
     assert span["resource"]["attributes"]["service.name"] == "specdecode-proposer"
+
+
+# -- the dashboard ----------------------------------------------------------------------------
+
+def test_dashboard_queries_only_metrics_the_services_export(run):
+    """Every metric a dashboard query names is on some service's /metrics after a run."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "dashboards" / "specdecode.json").read_text()
+    assert text == (root / "helm" / "specdecode" / "dashboards" / "specdecode.json").read_text()
+    dashboard = json.loads(text)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs and all(t["datasource"]["uid"] == "${datasource}"
+                         for p in dashboard["panels"] for t in p.get("targets", []))
+    exported = {re.sub(r"\{.*", "", key) for samples in run.metrics.values() for key in samples}
+    named = {name for e in exprs for name in re.findall(r"\bspecdecode_[a-z0-9_]+", e)}
+    assert named and not named - exported, sorted(named - exported)
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("acceptance", "efficiency", "tokens / s", "latency", "step time split",
+                  "kv cache hit rate"):
+        assert topic in titles, topic

@@ -3,11 +3,13 @@ engine, the log formats, and the Prometheus->OTLP metrics conversion."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import math
 
+import grpc
 import prometheus_client
 import pytest
 from opentelemetry import trace
@@ -18,6 +20,8 @@ from opentelemetry.trace import StatusCode
 from opentelemetry.util._once import Once
 
 from specdecode import telemetry
+from specdecode.sequence import InvalidRequestError
+from specdecode.server import Deferred, ServerTracing, map_errors
 from tests.conftest import greedy_request, make_engine
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
@@ -179,7 +183,8 @@ def test_step_sampling_drops_step_spans_and_their_children(exporter, target_mode
 def test_a_shared_step_links_the_other_requests(exporter, target_model, draft_model):
     engine, done = run_engine(target_model, draft_model, 1, prompts=([5, 17, 99, 3], [42], [9] * 5))
     spans = exporter.get_finished_spans()
-    requests = {s.attributes["specdecode.request_id"]: s for s in by_name(spans, "spec_decode.request")}
+    requests = {s.attributes["specdecode.request_id"]: s
+                for s in by_name(spans, "spec_decode.request")}
     first = by_name(spans, "spec_decode.step")[0]
     assert first.attributes["specdecode.batch_size"] == 3
     assert first.parent.span_id == requests["r0"].context.span_id  # the oldest request
@@ -219,6 +224,88 @@ def test_tracing_off_engine_makes_no_spans(target_model, draft_model):
     assert not telemetry.enabled()
     engine, done = run_engine(target_model, draft_model, trace_every=1, max_tokens=4)
     assert done["r0"].stats.steps  # ran, with nothing to export to
+
+
+# -- server spans (the aio interceptor) ------------------------------------------------------
+
+SAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+UNSAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+
+
+class _Echo(Deferred):
+    loaded = True
+
+    @map_errors
+    async def Unary(self, request, context):
+        if request == b"bad":
+            raise InvalidRequestError("prompt", "must not be empty")
+        if request == b"boom":
+            raise RuntimeError("kaput")
+        with telemetry.child_span("inner"):
+            return request
+
+    async def Stream(self, request, context):
+        for i in range(200):
+            await asyncio.sleep(0.01)
+            yield bytes([i])
+
+
+async def _calls(start_traces: bool) -> None:
+    server = grpc.aio.server(interceptors=[ServerTracing(start_traces)])
+    echo = _Echo()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("specdecode.test.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(echo.Unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(echo.Stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            unary = channel.unary_unary("/specdecode.test.Echo/Unary")
+            stream = channel.unary_stream("/specdecode.test.Echo/Stream")
+            assert await unary(b"ok", metadata=[("traceparent", SAMPLED)]) == b"ok"
+            assert await unary(b"quiet", metadata=[("traceparent", UNSAMPLED)]) == b"quiet"
+            assert await unary(b"root") == b"root"
+            for bad, code in ((b"bad", grpc.StatusCode.INVALID_ARGUMENT),
+                              (b"boom", grpc.StatusCode.INTERNAL)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await unary(bad, metadata=[("traceparent", SAMPLED)])
+                assert err.value.code() == code
+            assert len([m async for m in stream(b"", metadata=[("traceparent", SAMPLED)])]) == 200
+            call = stream(b"", metadata=[("traceparent", SAMPLED)])
+            await call.read()
+            call.cancel()
+            await asyncio.sleep(0.3)  # the server notices and ends the span
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.parametrize("start_traces", [True, False])
+def test_server_spans_continue_the_callers_trace(exporter, start_traces):
+    asyncio.run(_calls(start_traces))
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.kind == trace.SpanKind.SERVER]
+    unary = [s for s in servers if s.name == "specdecode.test.Echo/Unary"]
+    # ok, bad, boom continue the caller's trace; "quiet" is unsampled; "root" has no context
+    assert len(unary) == (4 if start_traces else 3)
+    continued = [s for s in unary if s.parent is not None]
+    assert len(continued) == 3
+    assert all(s.parent.span_id == 0x00f067aa0ba902b7 and s.parent.is_remote for s in continued)
+    assert {s.context.trace_id for s in continued} == {0x4bf92f3577b34da6a3ce929d0e0e4736}
+    codes = sorted(s.attributes["rpc.grpc.status_code"] for s in unary)
+    assert codes == ([0, 0, 3, 13] if start_traces else [0, 3, 13])
+    inner = [s for s in spans if s.name == "inner"]  # under "ok" (and "root"), not "quiet"
+    assert len(inner) == (2 if start_traces else 1)
+    assert {s.parent.span_id for s in inner} <= {s.context.span_id for s in unary}
+    by_code = {s.attributes["rpc.grpc.status_code"]: s for s in continued}
+    assert by_code[3].status.status_code != StatusCode.ERROR  # the client's fault
+    assert any(e.name == "exception" for e in by_code[3].events)
+    assert by_code[13].status.status_code == StatusCode.ERROR
+    assert "kaput" in by_code[13].status.description
+    assert any("kaput" in e.attributes["exception.message"] for e in by_code[13].events)
+    streams = sorted((s for s in servers if s.name == "specdecode.test.Echo/Stream"),
+                     key=lambda s: s.attributes["rpc.grpc.status_code"])
+    assert [s.attributes["rpc.grpc.status_code"] for s in streams] == [0, 1]  # OK, CANCELLED
+    assert all(s.status.status_code != StatusCode.ERROR for s in streams)
 
 
 # -- logs -----------------------------------------------------------------------------------
@@ -285,7 +372,8 @@ def test_prometheus_registry_converts_to_otlp_metrics():
     assert set(metrics) == {"specdecode_things", "specdecode_level", "specdecode_wait_seconds"}
     (point,) = metrics["specdecode_things"].data.data_points
     assert metrics["specdecode_things"].data.is_monotonic
-    assert point.value == 3 and point.attributes == {"kind": "a"} and point.start_time_unix_nano == 1
+    assert point.value == 3 and point.attributes == {"kind": "a"}
+    assert point.start_time_unix_nano == 1
     assert math.isnan(metrics["specdecode_level"].data.data_points[0].value)
     (hp,) = metrics["specdecode_wait_seconds"].data.data_points
     assert list(hp.explicit_bounds) == [0.1, 1.0] and list(hp.bucket_counts) == [1, 2, 1]
