@@ -3,6 +3,9 @@
 Requests and cancellations queue up and join at the next step boundary. A failed step
 (a service went away) fails the requests of that step with the error and leaves the loop
 running for the next ones.
+
+Trace context does not follow work onto this thread by itself: each Request carries its
+request span's context (`Request.trace_context`), which the engine's step spans attach to.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from orchestrator.engine import Request, SpecDecodeEngine, StepOutput, StepStats
+from specdecode import telemetry
 from specdecode.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -82,7 +86,8 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a service failed: end this step's requests, keep serving
-            log.error("step failed, ending %d requests: %s", len(self.engine.running), exc)
+            with telemetry.in_context(self._oldest_trace_context()):  # the log line's trace
+                log.error("step failed, ending %d requests: %s", len(self.engine.running), exc)
             for request_id in list(self.engine.running):
                 self._guard(self.engine.abort, request_id)
                 sink = self._sinks.pop(request_id, None)
@@ -97,6 +102,10 @@ class EngineLoop:
                 self._sinks.pop(out.request_id, None)
         if self.on_step:
             self.on_step(self.engine.last_step)
+
+    def _oldest_trace_context(self):
+        return next((s.request.trace_context for s in self.engine.running.values()
+                     if s.request.trace_context is not None), None)
 
     @staticmethod
     def _guard(fn, *args) -> None:

@@ -105,6 +105,20 @@ def set_attributes(span: trace.Span, attributes: Mapping[str, Any]) -> None:
         span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
+@contextlib.contextmanager
+def in_context(ctx: otel_context.Context | None) -> Iterator[None]:
+    """Make `ctx` current for the block (nothing when None): e.g. so that a log line written
+    on another thread carries a request's trace id."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def trace_metadata() -> tuple[tuple[str, str], ...] | None:
     """The current context as gRPC metadata (W3C traceparent/tracestate, baggage)."""
     carrier: dict[str, str] = {}

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import math
+import time
 
 import grpc
 import prometheus_client
@@ -220,6 +221,35 @@ def test_a_failed_step_records_the_error(exporter, target_model, draft_model):
                    for e in span.events)
 
 
+def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, draft_model):
+    from orchestrator.engine_loop import EngineLoop
+    engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+
+    def broken(req):
+        raise RuntimeError("proposer is gone")
+    engine.proposer.get_proposals = broken
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.addFilter(telemetry.TraceContextFilter())
+    handler.emit = records.append
+    logging.getLogger("orchestrator.engine_loop").addHandler(handler)
+    spans, requests = traced_requests([[5, 17, 99, 3]])
+    loop, results = EngineLoop(engine), []
+    loop.start()
+    try:
+        loop.submit(requests[0], results.append)
+        for _ in range(200):
+            if results:
+                break
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+        logging.getLogger("orchestrator.engine_loop").removeHandler(handler)
+    assert isinstance(results[0], RuntimeError)
+    (failed,) = [r for r in records if r.getMessage().startswith("step failed")]
+    assert failed.trace_id == format(spans[0].span.get_span_context().trace_id, "032x")
+
+
 def test_tracing_off_engine_makes_no_spans(target_model, draft_model):
     assert not telemetry.enabled()
     engine, done = run_engine(target_model, draft_model, trace_every=1, max_tokens=4)
@@ -281,7 +311,17 @@ async def _calls(start_traces: bool) -> None:
 
 @pytest.mark.parametrize("start_traces", [True, False])
 def test_server_spans_continue_the_callers_trace(exporter, start_traces):
-    asyncio.run(_calls(start_traces))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.addFilter(telemetry.TraceContextFilter())
+    handler.emit = records.append
+    logging.getLogger("specdecode.server").addHandler(handler)
+    try:
+        asyncio.run(_calls(start_traces))
+    finally:
+        logging.getLogger("specdecode.server").removeHandler(handler)
+    (failed,) = [r for r in records if r.getMessage() == "_Echo.Unary failed"]
+    assert failed.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"  # the log line is in the trace
     spans = exporter.get_finished_spans()
     servers = [s for s in spans if s.kind == trace.SpanKind.SERVER]
     unary = [s for s in servers if s.name == "specdecode.test.Echo/Unary"]
@@ -300,6 +340,7 @@ def test_server_spans_continue_the_callers_trace(exporter, start_traces):
     assert by_code[3].status.status_code != StatusCode.ERROR  # the client's fault
     assert any(e.name == "exception" for e in by_code[3].events)
     assert by_code[13].status.status_code == StatusCode.ERROR
+    assert failed.span_id == format(by_code[13].context.span_id, "016x")
     assert "kaput" in by_code[13].status.description
     assert any("kaput" in e.attributes["exception.message"] for e in by_code[13].events)
     streams = sorted((s for s in servers if s.name == "specdecode.test.Echo/Stream"),
