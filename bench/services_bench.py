@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
@@ -30,10 +31,7 @@ from orchestrator.stack import LocalStack, StackConfig
 from specdecode.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
 from specdecode.sequence import SamplingParams
 
-sys_path = Path(__file__).resolve().parent
-import sys  # noqa: E402
-
-sys.path.insert(0, str(sys_path))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from engine_bench import CODE_PROMPTS, engine  # noqa: E402
 
 K = 4

@@ -22,7 +22,9 @@ from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.model_service import ModelOptions
 from specdecode.server import ServerOptions
-from specdecode.telemetry import configure, configure_logging, parse_trace_steps
+from specdecode.logs import configure_logging
+from specdecode.otel_setup import configure
+from specdecode.tracing import parse_trace_steps
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   FileNotFoundError, ValueError)

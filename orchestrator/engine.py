@@ -6,7 +6,7 @@ knows nothing of gRPC: the proposer and scorer may be in-process or remote clien
 
 Tracing: each step is a `spec_decode.step` span with children `propose`, `score` and
 `rejection_sample`, placed in the trace of the oldest participating request and linked to
-the others (see specdecode.telemetry.step_span). `trace_every` keeps every Nth step span
+the others (see specdecode.tracing.step_span). `trace_every` keeps every Nth step span
 (1 = all, 0 = none: request spans only).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from orchestrator.rejection_sampler import RejectionSampler
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.sampling import step_generator
@@ -202,12 +202,12 @@ class SpecDecodeEngine:
             return []
         index, self.steps = self.steps, self.steps + 1
         traced = self.trace_every > 0 and index % self.trace_every == 0
-        with telemetry.step_span("spec_decode.step",
+        with tracing.step_span("spec_decode.step",
                                  [(s.request.request_id, s.request.trace_context) for s in seqs],
                                  traced, {"specdecode.step.index": index}) as span:
             outputs = self._step(seqs)
             stats = self.last_step
-            telemetry.set_attributes(span, {
+            tracing.set_attributes(span, {
                 "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
                 "specdecode.draft_tokens": stats.draft_tokens,
                 "specdecode.accepted_tokens": stats.accepted_tokens,
@@ -225,19 +225,19 @@ class SpecDecodeEngine:
         k = max((self.k if s.request.num_speculative_tokens is None
                  else s.request.num_speculative_tokens) for s in seqs)
         req = ExecuteModelRequest([self._group(s) for s in seqs], num_lookahead_slots=k)
-        with telemetry.child_span("propose", {"specdecode.batch_size": len(seqs),
+        with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
                                               "specdecode.k": k}) as span:
             proposals = self.proposer.get_proposals(req)
             if span.is_recording():
                 span.set_attribute("specdecode.draft_tokens", int(proposals.proposal_lens.sum()))
         t_proposed = time.perf_counter()
-        with telemetry.child_span("score", {"specdecode.batch_size": len(seqs),
+        with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
                                             "specdecode.k": k}):
             scores = self.scorer.score_proposals(req, proposals)
         t_scored = time.perf_counter()
-        with telemetry.child_span("rejection_sample") as span:
+        with tracing.child_span("rejection_sample") as span:
             emitted, accepted = verify(self.sampler, req, proposals, scores)
-            telemetry.set_attributes(span, {"specdecode.accepted_tokens": sum(accepted)})
+            tracing.set_attributes(span, {"specdecode.accepted_tokens": sum(accepted)})
         t_verified = time.perf_counter()
 
         stats = StepStats(batch_size=len(seqs), k=k, propose_s=t_proposed - start,

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from orchestrator.engine import Request, SpecDecodeEngine, StepOutput, StepStats
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a service failed: end this step's requests, keep serving
-            with telemetry.in_context(self._oldest_trace_context()):  # the log line's trace
+            with tracing.in_context(self._oldest_trace_context()):  # the log line's trace
                 log.error("step failed, ending %d requests: %s", len(self.engine.running), exc)
             for request_id in list(self.engine.running):
                 self._guard(self.engine.abort, request_id)

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdecode import telemetry, wire
+from specdecode import tracing, wire
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
@@ -74,14 +74,14 @@ class _Remote:
         self.peer = address
 
     def _call(self, name: str, request):
-        with telemetry.child_span(f"{self.service}/{name}", {
+        with tracing.child_span(f"{self.service}/{name}", {
                 "rpc.system": "grpc", "rpc.service": self.service, "rpc.method": name,
                 "server.address": self.peer}, kind=SpanKind.CLIENT,
                 tracer_name="specdecode.client") as span:
             try:
                 response = getattr(self.stub, name)(request, timeout=self.timeout_s,
                                                     wait_for_ready=True,
-                                                    metadata=telemetry.trace_metadata())
+                                                    metadata=tracing.trace_metadata())
             except grpc.RpcError as exc:
                 if span.is_recording() and isinstance(exc, grpc.Call):
                     span.set_attribute("rpc.grpc.status_code", exc.code().value[0])

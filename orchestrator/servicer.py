@@ -14,7 +14,7 @@ from orchestrator import metrics
 from orchestrator.engine import Request, StepOutput
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.sequence import InvalidRequestError, SamplingParams
 from specdecode.server import Deferred, grpc_status_of
 from specdecode.v1 import spec_decode_service_pb2 as pb
@@ -90,7 +90,7 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
             metrics.REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.PROMPT.inc(len(req.prompt_token_ids))
-        span = telemetry.RequestSpan("spec_decode.request", {
+        span = tracing.RequestSpan("spec_decode.request", {
             "specdecode.request_id": req.request_id,
             "specdecode.prompt_tokens": len(req.prompt_token_ids),
             "specdecode.max_tokens": req.sampling_params.max_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sequence import ExecuteModelRequest, SequenceGroupMetadata
+from specdecode.sequence import SequenceGroupMetadata
 
 
 def speculation_len(sg: SequenceGroupMetadata, k: int, max_model_len: int) -> int:

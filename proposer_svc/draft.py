@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from proposer_svc.common import pack_proposals, speculation_len
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
@@ -30,7 +30,7 @@ class DraftModelProposer(SpeculativeProposer):
         for step in range(max(k_seq, default=0)):
             active = [i for i, n in enumerate(k_seq) if n > step]
             batch = [groups[i].with_appended(drafted[i]) for i in active]
-            with telemetry.child_span("draft_model.forward", {"specdecode.draft_position": step,
+            with tracing.child_span("draft_model.forward", {"specdecode.draft_position": step,
                                                               "specdecode.batch_size": len(batch)}):
                 out = self.worker.execute_model(execute_model_req.clone(batch),
                                                 want_probs=want_probs)

@@ -15,7 +15,7 @@ from itertools import count
 
 import torch
 
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from specdecode.worker import ModelWorker
@@ -88,17 +88,17 @@ class BatchExpansionTop1Scorer(SpeculativeScorer):
                         proposals: SpeculativeProposals,
                         want_logprobs: bool = False) -> SpeculativeScores:
         groups = execute_model_req.seq_group_metadata_list
-        with telemetry.child_span("batch_expansion.expand",
+        with tracing.child_span("batch_expansion.expand",
                                   {"specdecode.batch_size": len(groups)}) as span:
             batch = expand_batch(execute_model_req, proposals)
-            telemetry.set_attributes(span, {"specdecode.expanded_rows": len(batch.target_groups),
+            tracing.set_attributes(span, {"specdecode.expanded_rows": len(batch.target_groups),
                                             "specdecode.spec_sequences": len(batch.spec_indices)})
         want_probs = any(not sg.sampling_params.greedy for sg in groups)
-        with telemetry.child_span("target_model.forward",
+        with tracing.child_span("target_model.forward",
                                   {"specdecode.batch_size": len(batch.target_groups)}):
             out = self.worker.execute_model(execute_model_req.clone(batch.target_groups),
                                             want_probs=want_probs, want_logprobs=want_logprobs)
-        with telemetry.child_span("batch_expansion.contract"):
+        with tracing.child_span("batch_expansion.contract"):
             return contract_batch(batch, out, execute_model_req.num_lookahead_slots)
 
     def release_sequences(self, seq_ids: list[int]) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from scorer_svc.batch_expansion import scatter_scores
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
@@ -21,15 +21,15 @@ class MultiQueryScorer(SpeculativeScorer):
                         proposals: SpeculativeProposals,
                         want_logprobs: bool = False) -> SpeculativeScores:
         groups = execute_model_req.seq_group_metadata_list
-        with telemetry.child_span("multi_query.extend", {"specdecode.batch_size": len(groups)}):
+        with tracing.child_span("multi_query.extend", {"specdecode.batch_size": len(groups)}):
             lens = proposals.proposal_lens.tolist()  # [B]
             token_ids = proposals.proposal_token_ids.tolist()  # [B, k]
             extended = [sg.with_appended(token_ids[i][:lens[i]]) for i, sg in enumerate(groups)]
         want_probs = any(not sg.sampling_params.greedy for sg in groups)
-        with telemetry.child_span("target_model.forward", {
+        with tracing.child_span("target_model.forward", {
                 "specdecode.batch_size": len(groups), "specdecode.query_rows": sum(lens) + len(lens)}):
             out = self.worker.score_rows(extended, [n + 1 for n in lens], want_probs, want_logprobs)
-        with telemetry.child_span("multi_query.scatter"):
+        with tracing.child_span("multi_query.scatter"):
             rows = torch.tensor([i for i, n in enumerate(lens) for _ in range(n + 1)],
                                 dtype=torch.long)
             positions = torch.tensor([j for n in lens for j in range(n + 1)], dtype=torch.long)

@@ -1,1 +1,1 @@
-"""specdecode shared library: data model, model runner, sampling, devices, telemetry."""
+"""specdecode shared library: data model, model runner, sampling, devices, wire codec, servers, tracing, logs."""

@@ -20,7 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdecode import telemetry
+from specdecode import tracing
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.sequence import InvalidRequestError
 
@@ -183,10 +183,10 @@ class ServerTracing(grpc.aio.ServerInterceptor):
 
     def _observe(self, name: str, context: grpc.aio.ServicerContext) -> _CallObserver:
         method = name.rsplit(".", 1)[-1]  # "ProposerService/GetProposals"
-        if not telemetry.enabled():
+        if not tracing.enabled():
             return _CallObserver(method, None, None)
-        parent = telemetry.extract_context(context.invocation_metadata())
-        sc = telemetry.span_context_of(parent)
+        parent = tracing.extract_context(context.invocation_metadata())
+        sc = tracing.span_context_of(parent)
         if sc.is_valid and not sc.trace_flags.sampled:
             # The caller does not sample this call: no span, but its unsampled context
             # becomes current, so nothing under it is sampled either.
@@ -194,7 +194,7 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         if not sc.is_valid and not self.start_traces:
             return _CallObserver(method, None, None)
         service, rpc_method = name.split("/", 1)
-        span = telemetry.tracer("specdecode.server").start_span(
+        span = tracing.tracer("specdecode.server").start_span(
             name, context=parent, kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc_method})
         return _CallObserver(method, span, trace.set_span_in_context(span, parent))

@@ -9,7 +9,6 @@ from orchestrator.engine import Request
 from proposer_svc.ngram import NgramProposer, ngram_lookup
 from specdecode.device import DeviceUnavailableError, resolve_device, resolve_dtype
 from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.models import TinyModelSpec, build_tiny_model
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
                                  SequenceData, SequenceGroupMetadata)
 from tests.conftest import CPU, greedy_request, make_engine

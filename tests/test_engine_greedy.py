@@ -4,7 +4,6 @@ model's own greedy decoding token for token, in float32."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.conftest import greedy_request, make_engine, reference_greedy
 

@@ -184,10 +184,10 @@ def test_mismatched_pair_refused_at_start(tiny_model_dirs):
     # Run the orchestrator again by hand against fresh services to read its message.
     stack.processes.clear()
     p_port, s_port = free_port(), free_port()
-    procs = [stack._spawn("proposer", "--port", str(p_port), "--model",
-                          tiny_model_dirs["bad_draft"], "--device", "cpu"),
-             stack._spawn("scorer", "--port", str(s_port), "--model",
-                          tiny_model_dirs["target"], "--device", "cpu")]
+    stack._spawn("proposer", "--port", str(p_port), "--model", tiny_model_dirs["bad_draft"],
+                 "--device", "cpu")
+    stack._spawn("scorer", "--port", str(s_port), "--model", tiny_model_dirs["target"],
+                 "--device", "cpu")
     try:
         out = serve_orchestrator("--proposer", f"127.0.0.1:{p_port}",
                                  "--scorer", f"127.0.0.1:{s_port}")

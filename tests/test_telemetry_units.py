@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from opentelemetry.util._once import Once
 
-from specdecode import telemetry
+from specdecode import logs, otel_setup, tracing
 from specdecode.sequence import InvalidRequestError
 from specdecode.server import Deferred, ServerTracing, map_errors
 from tests.conftest import greedy_request, make_engine
@@ -41,11 +41,11 @@ ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}
 ])
 def test_unconfigured_creates_nothing_and_prints_nothing(env, capfd):
     before = trace.get_tracer_provider()
-    t = telemetry.configure("scorer", env=env)
+    t = otel_setup.configure("scorer", env=env)
     assert t.tracer_provider is None and t.metrics_bridge is None and not t.tracing
     assert trace.get_tracer_provider() is before
-    assert not telemetry.enabled()
-    with telemetry.child_span("x") as span:  # the library's spans are no-ops
+    assert not tracing.enabled()
+    with tracing.child_span("x") as span:  # the library's spans are no-ops
         assert not span.is_recording()
     t.shutdown()
     out = capfd.readouterr()
@@ -53,25 +53,25 @@ def test_unconfigured_creates_nothing_and_prints_nothing(env, capfd):
 
 
 def test_exporter_choice():
-    assert telemetry.trace_exporter_names(ENDPOINT) == ["otlp"]
-    assert telemetry.trace_exporter_names({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "x"}) == ["otlp"]
-    assert telemetry.trace_exporter_names({}, console=True) == ["console"]
-    assert telemetry.trace_exporter_names(ENDPOINT, console=True) == ["otlp", "console"]
-    assert telemetry.trace_exporter_names({"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
+    assert otel_setup.trace_exporter_names(ENDPOINT) == ["otlp"]
+    assert otel_setup.trace_exporter_names({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "x"}) == ["otlp"]
+    assert otel_setup.trace_exporter_names({}, console=True) == ["console"]
+    assert otel_setup.trace_exporter_names(ENDPOINT, console=True) == ["otlp", "console"]
+    assert otel_setup.trace_exporter_names({"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER: 'zipkin'"):
-        telemetry.trace_exporter_names({"OTEL_TRACES_EXPORTER": "zipkin"})
-    assert telemetry.metrics_exporter_enabled(ENDPOINT)
-    assert not telemetry.metrics_exporter_enabled({})
-    assert not telemetry.metrics_exporter_enabled({**ENDPOINT, "OTEL_METRICS_EXPORTER": "none"})
+        otel_setup.trace_exporter_names({"OTEL_TRACES_EXPORTER": "zipkin"})
+    assert otel_setup.metrics_exporter_enabled(ENDPOINT)
+    assert not otel_setup.metrics_exporter_enabled({})
+    assert not otel_setup.metrics_exporter_enabled({**ENDPOINT, "OTEL_METRICS_EXPORTER": "none"})
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
-        telemetry.configure("scorer", env={**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+        otel_setup.configure("scorer", env={**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
                             set_global=False)
 
 
 def test_configured_provider_resource_and_console(capfd):
     env = {**ENDPOINT, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "sd-proposer",
            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test,team=a%20b"}
-    t = telemetry.configure("proposer", console=True, env=env, set_global=False)
+    t = otel_setup.configure("proposer", console=True, env=env, set_global=False)
     try:
         attrs = t.tracer_provider.resource.attributes
         assert attrs["service.name"] == "sd-proposer"
@@ -85,18 +85,18 @@ def test_configured_provider_resource_and_console(capfd):
         t.shutdown()
     printed = capfd.readouterr().out
     assert json.loads(printed)["name"] == "hello"
-    default = telemetry.build_resource("scorer", {})
+    default = otel_setup.build_resource("scorer", {})
     assert default.attributes["service.name"] == "specdecode-scorer"
 
 
 def test_parse_trace_steps():
-    assert telemetry.parse_trace_steps("all") == 1
-    assert telemetry.parse_trace_steps("none") == 0
-    assert telemetry.parse_trace_steps("5") == 5
-    assert telemetry.parse_trace_steps(0) == 0
+    assert tracing.parse_trace_steps("all") == 1
+    assert tracing.parse_trace_steps("none") == 0
+    assert tracing.parse_trace_steps("5") == 5
+    assert tracing.parse_trace_steps(0) == 0
     for bad in ("-1", "some"):
         with pytest.raises(ValueError):
-            telemetry.parse_trace_steps(bad)
+            tracing.parse_trace_steps(bad)
 
 
 # -- spans of the engine --------------------------------------------------------------------
@@ -121,7 +121,7 @@ def exporter():
 def traced_requests(prompts, max_tokens=16):
     spans, requests = [], []
     for i, prompt in enumerate(prompts):
-        span = telemetry.RequestSpan("spec_decode.request", {"specdecode.request_id": f"r{i}"})
+        span = tracing.RequestSpan("spec_decode.request", {"specdecode.request_id": f"r{i}"})
         request = greedy_request(f"r{i}", prompt, max_tokens)
         request.trace_context = span.context
         spans.append(span)
@@ -230,7 +230,7 @@ def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, dr
     engine.proposer.get_proposals = broken
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
-    handler.addFilter(telemetry.TraceContextFilter())
+    handler.addFilter(logs.TraceContextFilter())
     handler.emit = records.append
     logging.getLogger("orchestrator.engine_loop").addHandler(handler)
     spans, requests = traced_requests([[5, 17, 99, 3]])
@@ -251,7 +251,7 @@ def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, dr
 
 
 def test_tracing_off_engine_makes_no_spans(target_model, draft_model):
-    assert not telemetry.enabled()
+    assert not tracing.enabled()
     engine, done = run_engine(target_model, draft_model, trace_every=1, max_tokens=4)
     assert done["r0"].stats.steps  # ran, with nothing to export to
 
@@ -271,7 +271,7 @@ class _Echo(Deferred):
             raise InvalidRequestError("prompt", "must not be empty")
         if request == b"boom":
             raise RuntimeError("kaput")
-        with telemetry.child_span("inner"):
+        with tracing.child_span("inner"):
             return request
 
     async def Stream(self, request, context):
@@ -313,7 +313,7 @@ async def _calls(start_traces: bool) -> None:
 def test_server_spans_continue_the_callers_trace(exporter, start_traces):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
-    handler.addFilter(telemetry.TraceContextFilter())
+    handler.addFilter(logs.TraceContextFilter())
     handler.emit = records.append
     logging.getLogger("specdecode.server").addHandler(handler)
     try:
@@ -354,9 +354,9 @@ def test_server_spans_continue_the_callers_trace(exporter, start_traces):
 def log_lines(fmt, emit) -> list[str]:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.addFilter(telemetry.TraceContextFilter())
-    handler.setFormatter(telemetry.JsonFormatter("specdecode-test") if fmt == "json"
-                         else telemetry.TextFormatter())
+    handler.addFilter(logs.TraceContextFilter())
+    handler.setFormatter(logs.JsonFormatter("specdecode-test") if fmt == "json"
+                         else logs.TextFormatter())
     logger = logging.getLogger("specdecode.test_logs")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -370,7 +370,7 @@ def log_lines(fmt, emit) -> list[str]:
 def test_json_logs_carry_trace_and_span_ids(exporter):
     def emit(logger):
         logger.info("outside")
-        with telemetry.tracer("t").start_as_current_span("work"):
+        with tracing.tracer("t").start_as_current_span("work"):
             logger.info("inside %d", 1, extra={"fields": {"rate": float("nan"), "n": 2}})
             try:
                 raise ValueError("boom")
@@ -388,7 +388,7 @@ def test_json_logs_carry_trace_and_span_ids(exporter):
 
 def test_text_logs_append_trace_ids(exporter):
     def emit(logger):
-        with telemetry.tracer("t").start_as_current_span("work"):
+        with tracing.tracer("t").start_as_current_span("work"):
             logger.info("hello")
     (line,) = log_lines("text", emit)
     (span,) = exporter.get_finished_spans()
@@ -409,7 +409,7 @@ def test_prometheus_registry_converts_to_otlp_metrics():
     g.set(float("nan"))
     for v in (0.05, 0.5, 0.7, 5.0):
         h.observe(v)
-    metrics = {m.name: m for m in telemetry.prometheus_to_otlp(registry, start_time_ns=1)}
+    metrics = {m.name: m for m in otel_setup.prometheus_to_otlp(registry, start_time_ns=1)}
     assert set(metrics) == {"specdecode_things", "specdecode_level", "specdecode_wait_seconds"}
     (point,) = metrics["specdecode_things"].data.data_points
     assert metrics["specdecode_things"].data.is_monotonic

@@ -13,7 +13,6 @@ from chartlib import (
     EXAMPLES,
     NAMESPACE,
     ROOT,
-    VALUE_SETS,
     args_map,
     by_name,
     component_name,
