@@ -77,12 +77,14 @@ class StepMetrics:
         self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s)
         self.collector.init_tensors(rank=0, device=engine.sampler.device)
         self._accepted_at: list[int] = []
+        # Read at scrape time: a cancelled request leaves the batch without another step.
+        RUNNING.set_function(lambda: len(engine.running))
 
     def __call__(self, step: StepStats) -> None:
         totals = self.engine.sampler.accepted_per_position.tolist()
         by_position = [t - p for t, p in zip(totals, self._accepted_at + [0] * len(totals))]
         self._accepted_at = totals
-        self.observe(step, len(self.engine.running), by_position)
+        self.observe(step, by_position)
         if step.k and (seed := self.collector.maybe_collect_rejsample_metrics(step.k)):
             log.info("speculative metrics: acceptance %.3f, efficiency %.3f, draft %d, "
                      "emitted %d, accepted %d, k %d", seed.draft_acceptance_rate,
@@ -91,7 +93,7 @@ class StepMetrics:
                      extra={"fields": {"event": "spec_decode_metrics", **vars(seed)}})
 
     @staticmethod
-    def observe(step: StepStats, running: int, accepted_by_position: list[int]) -> None:
+    def observe(step: StepStats, accepted_by_position: list[int]) -> None:
         STEPS.inc()
         DRAFT.inc(step.draft_tokens)
         ACCEPTED.inc(step.accepted_tokens)
@@ -103,7 +105,6 @@ class StepMetrics:
                 ACCEPTED_AT.labels(str(position)).inc(count)
         NUM_SPEC_TOKENS.set(step.k)
         BATCH.observe(step.batch_size)
-        RUNNING.set(running)
         STEP_SECONDS.observe(step.total_s)
         overhead = step.total_s - step.propose_s - step.score_s - step.verify_s
         for phase, seconds in (("propose", step.propose_s), ("score", step.score_s),

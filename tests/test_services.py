@@ -205,3 +205,33 @@ def test_unreachable_service_at_start_is_a_clear_message():
     assert out.returncode == 2
     assert f"cannot reach the proposer at 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cancelled_stream_frees_its_sequence_at_once(stack):
+    """A client that cancels mid-stream: the orchestrator drops the sequence and both
+    services release its KV cache, without waiting for another step."""
+    import urllib.request
+
+    def gauge(role: str, name: str) -> float:
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_ports[role]}/metrics").read().decode()
+        return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", body, re.M).group(1))
+
+    cancelled = 'specdecode_requests_total{outcome="cancelled"}'
+    before = gauge("orchestrator", cancelled) if cancelled in urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode() else 0
+    with SpecDecodeClient(stack.address) as client:
+        stream = client.stream(PROMPTS[2], max_tokens=250)  # ~60 steps: seconds of work
+        next(stream)
+        assert gauge("orchestrator", "specdecode_running_sequences") == 1
+        stream.cancel()
+    deadline = time.monotonic() + 1.5  # well before the generation could end by itself
+    while time.monotonic() < deadline and (
+            gauge("orchestrator", "specdecode_running_sequences")
+            or gauge("scorer", "specdecode_kv_cache_sequences")
+            or gauge("proposer", "specdecode_kv_cache_sequences")):
+        time.sleep(0.1)
+    assert gauge("orchestrator", "specdecode_running_sequences") == 0
+    assert gauge("scorer", "specdecode_kv_cache_sequences") == 0
+    assert gauge("proposer", "specdecode_kv_cache_sequences") == 0
+    assert gauge("orchestrator", cancelled) == before + 1
