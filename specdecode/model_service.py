@@ -15,7 +15,7 @@ from specdecode import wire
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import ForwardStats, ModelRunner
-from specdecode.models import (default_model_path, load_model, load_tokenizer, resolve_model_dir,
+from specdecode.models import (default_model_path, has_tokenizer, load_model, load_tokenizer, resolve_model_dir,
                                tokenizer_fingerprint, vocab_fingerprint)
 from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
 from specdecode.v1 import model_info_pb2
@@ -36,7 +36,7 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
     model_dir = resolve_model_dir(options.model)
     model = load_model(model_dir, device, resolve_dtype(options.dtype))
     runner = ModelRunner(model, device, options.max_model_len)
-    if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer(model_dir):
         fingerprint = tokenizer_fingerprint(load_tokenizer(model_dir))
     else:
         fingerprint = vocab_fingerprint(runner.vocab_size)

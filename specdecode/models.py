@@ -77,6 +77,14 @@ def resolve_model_dir(path: str | Path | None) -> Path:
     return out
 
 
+def has_tokenizer(path: str | Path | None) -> bool:
+    """Whether the model at `path` comes with a tokenizer (test models built in-process
+    do not: they are served with token-id prompts only). A GGUF file always carries one."""
+    if path in (None, "", "default") or str(path).endswith(".gguf"):
+        return True
+    return any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_model(path: str | Path | None, device: torch.device, dtype: torch.dtype):
     model_dir = resolve_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -235,3 +235,24 @@ def test_cancelled_stream_frees_its_sequence_at_once(stack):
     assert gauge("scorer", "specdecode_kv_cache_sequences") == 0
     assert gauge("proposer", "specdecode_kv_cache_sequences") == 0
     assert gauge("orchestrator", cancelled) == before + 1
+
+
+def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
+    """`specdecode up` prints the address, serves, and stops all three on Ctrl-C (SIGINT)."""
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "--target-model",
+                           tiny_model_dirs["target"], "--device", "cpu", "--port", str(port)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        line = up.stdout.readline()
+        while line and "serving on" not in line:
+            line = up.stdout.readline()
+        assert f"127.0.0.1:{port}" in line
+        with SpecDecodeClient(f"127.0.0.1:{port}") as client:
+            assert client.generate(PROMPTS[0], max_tokens=5).token_ids == expected[0][:5]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert "'orchestrator': 0, 'proposer': 0, 'scorer': 0" in up.stdout.read()
+    finally:
+        if up.poll() is None:
+            up.kill()
