@@ -42,18 +42,70 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # --- tensors ------------------------------------------------------------------------------
 
-def tensor_to_proto(t: torch.Tensor) -> tensor_pb2.Tensor:
-    """Encode a tensor as raw little-endian bytes with its dtype and shape (copied to host)."""
+def _raw(t: torch.Tensor, np_dtype: np.dtype) -> bytes:
+    """A host tensor's elements as little-endian bytes (bfloat16 as its raw 16 bits)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().astype(np_dtype, copy=False).tobytes()  # no-op cast on little-endian
+
+
+def tensor_to_proto(t: torch.Tensor, sparse: bool = False) -> tensor_pb2.Tensor:
+    """Encode a tensor as raw little-endian bytes with its dtype and shape (copied to host).
+
+    With `sparse`, rows over the last dimension are sent compressed (only nonzero elements,
+    with their columns) when that is smaller than the dense buffer: probabilities under
+    top-k/top-p truncation and greedy one-hot rows."""
     try:
         wire_dtype, np_dtype = _BY_TORCH[t.dtype]
     except KeyError:
         raise TypeError(f"cannot encode a {t.dtype} tensor; supported: "
                         f"{', '.join(str(d) for d in _BY_TORCH)}") from None
     host = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        host = host.view(torch.int16)
-    data = host.numpy().astype(np_dtype, copy=False).tobytes()  # no-op cast on little-endian
-    return tensor_pb2.Tensor(dtype=wire_dtype, shape=t.shape, data=data)
+    if sparse and host.dim() >= 1 and host.numel():
+        rows = host.reshape(-1, host.shape[-1])  # [R, V]
+        nonzero = rows != 0
+        nnz = int(nonzero.sum())
+        if nnz * (np_dtype.itemsize + 4) + (rows.shape[0] + 1) * 8 < host.numel() * np_dtype.itemsize:
+            starts = torch.zeros(rows.shape[0] + 1, dtype=torch.int64)
+            starts[1:] = nonzero.sum(dim=1).cumsum(0)
+            columns = nonzero.nonzero()[:, 1].to(torch.int32)  # row-major: grouped by row
+            return tensor_pb2.Tensor(
+                dtype=wire_dtype, shape=t.shape, data=_raw(rows[nonzero], np_dtype),
+                sparse_rows=tensor_pb2.SparseRows(row_starts=_raw(starts, np.dtype("<i8")),
+                                                  columns=_raw(columns, np.dtype("<i4"))))
+    return tensor_pb2.Tensor(dtype=wire_dtype, shape=t.shape, data=_raw(host, np_dtype))
+
+
+def _from_raw(data: bytes, np_dtype: np.dtype) -> torch.Tensor:
+    # astype copies: the tensor owns writable, native-order memory, not the message's bytes.
+    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).astype(np_dtype.newbyteorder("=")))
+
+
+def _densify(m: tensor_pb2.Tensor, shape: list[int], np_dtype: np.dtype,
+             field: str) -> torch.Tensor:
+    """The dense elements [R, V] of a sparse Tensor, after checking its index buffers."""
+    if not shape:
+        raise InvalidRequestError(field, "a sparse tensor needs at least one dimension")
+    R, V = math.prod(shape[:-1]), shape[-1]
+    sparse = m.sparse_rows
+    if len(sparse.row_starts) != (R + 1) * 8:
+        raise InvalidRequestError(field, f"sparse_rows.row_starts has {len(sparse.row_starts)} "
+                                         f"bytes, expected {(R + 1) * 8} for {R} rows")
+    starts = _from_raw(sparse.row_starts, np.dtype("<i8"))
+    nnz = len(sparse.columns) // 4
+    if (len(sparse.columns) % 4 or starts[0] != 0 or starts[-1] != nnz
+            or bool((starts[1:] < starts[:-1]).any())):
+        raise InvalidRequestError(field, "sparse_rows.row_starts must start at 0, never "
+                                         "decrease and end at the number of columns")
+    if len(m.data) != nnz * np_dtype.itemsize:
+        raise InvalidRequestError(field, f"{len(m.data)} data bytes for {nnz} stored elements")
+    columns = _from_raw(sparse.columns, np.dtype("<i4")).long()
+    if nnz and not (0 <= int(columns.min()) and int(columns.max()) < V):
+        raise InvalidRequestError(field, f"sparse_rows.columns must be in [0, {V})")
+    values = _from_raw(m.data, np_dtype)
+    dense = torch.zeros(R, V, dtype=values.dtype)
+    dense[torch.arange(R).repeat_interleave(starts.diff()), columns] = values
+    return dense
 
 
 def tensor_from_proto(m: tensor_pb2.Tensor, field: str) -> torch.Tensor:
@@ -65,21 +117,23 @@ def tensor_from_proto(m: tensor_pb2.Tensor, field: str) -> torch.Tensor:
     shape = list(m.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequestError(field, f"negative dimension in shape {shape}")
-    data = m.data
-    expected = math.prod(shape) * np_dtype.itemsize
-    if len(data) != expected:
-        raise InvalidRequestError(field, f"{len(data)} data bytes, expected {expected} for "
-                                         f"shape {shape} of {tensor_pb2.Dtype.Name(m.dtype)}")
-    # astype copies: the tensor owns writable, native-order memory, not the message's bytes.
-    t = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).astype(np_dtype.newbyteorder("=")))
+    if m.HasField("sparse_rows"):
+        t = _densify(m, shape, np_dtype, field)
+    else:
+        expected = math.prod(shape) * np_dtype.itemsize
+        if len(m.data) != expected:
+            raise InvalidRequestError(field, f"{len(m.data)} data bytes, expected {expected} "
+                                             f"for shape {shape} of "
+                                             f"{tensor_pb2.Dtype.Name(m.dtype)}")
+        t = _from_raw(m.data, np_dtype)
     if torch_dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
     return t.reshape(shape)
 
 
-def _optional_tensor(t: torch.Tensor | None) -> tensor_pb2.Tensor | None:
+def _optional_tensor(t: torch.Tensor | None, sparse: bool = False) -> tensor_pb2.Tensor | None:
     """Encode a tensor, or None for an unset field."""
-    return None if t is None else tensor_to_proto(t)
+    return None if t is None else tensor_to_proto(t, sparse)
 
 
 def _tensor_field(m: Message, name: str, field: str, required: bool) -> torch.Tensor | None:
@@ -179,7 +233,7 @@ def proposals_to_proto(p: SpeculativeProposals) -> speculative_pb2.SpeculativePr
     """Encode proposals (proposal_probs None = unset)."""
     return speculative_pb2.SpeculativeProposals(
         proposal_token_ids=tensor_to_proto(p.proposal_token_ids),
-        proposal_probs=_optional_tensor(p.proposal_probs),
+        proposal_probs=_optional_tensor(p.proposal_probs, sparse=True),
         proposal_lens=tensor_to_proto(p.proposal_lens))
 
 
@@ -206,7 +260,7 @@ def proposals_from_proto(m: speculative_pb2.SpeculativeProposals, field: str = "
 def scores_to_proto(s: SpeculativeScores) -> speculative_pb2.SpeculativeScores:
     """Encode scores (probs / logprobs None = unset)."""
     return speculative_pb2.SpeculativeScores(
-        probs=_optional_tensor(s.probs), logprobs=_optional_tensor(s.logprobs),
+        probs=_optional_tensor(s.probs, sparse=True), logprobs=_optional_tensor(s.logprobs),
         token_ids=tensor_to_proto(s.token_ids))
 
 

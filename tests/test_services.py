@@ -256,3 +256,20 @@ def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+@pytest.mark.parametrize("top_k", [20, 0])  # truncated rows travel sparse, full rows dense
+def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, draft_model, top_k):
+    """The probability path over the wire (draft q and target p, sparse or dense) changes
+    nothing: a seeded sampled request gives the in-process engine's tokens exactly."""
+    from orchestrator.engine import Request
+    from specdecode.sequence import SamplingParams
+    from tests.conftest import make_engine
+
+    params = dict(temperature=0.9, top_k=top_k, top_p=1.0, seed=7)
+    engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+    want = engine.generate([Request("x", PROMPTS[3], SamplingParams(max_tokens=20, **params))])
+    assert want["x"].stats.draft_tokens > 0
+    with SpecDecodeClient(stack.address) as client:
+        got = client.generate(PROMPTS[3], max_tokens=20, **params)
+    assert got.token_ids == want["x"].output_token_ids

@@ -319,3 +319,66 @@ def test_message_bytes_counts_a_step() -> None:
     raw = s.probs.numel() * 4 + s.token_ids.numel() * 8
     assert raw < wire.message_bytes(m) < raw + 64
     assert wire.message_bytes(m) == len(m.SerializeToString())
+
+
+# --- sparse probability rows -----------------------------------------------------------------
+
+def truncated(shape: tuple[int, ...], keep: int, seed: int = 0) -> torch.Tensor:
+    """Probabilities with `keep` nonzero entries per row, as top-k truncation leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, generator=gen)
+    kth = logits.topk(keep, dim=-1).values[..., -1:]
+    return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_truncated_probs_travel_sparse_and_roundtrip(dtype) -> None:
+    probs = truncated((8, 5, 49152), keep=50).to(dtype)
+    m = wire.tensor_to_proto(probs, sparse=True)
+    assert m.HasField("sparse_rows")
+    dense_bytes = probs.numel() * probs.element_size()
+    assert m.ByteSize() < 0.01 * dense_bytes  # 40 rows x 50 entries, not 40 x 49152
+    assert torch.equal(wire.tensor_from_proto(m, "probs"), probs)
+
+
+def test_one_hot_rows_travel_sparse_and_dense_rows_stay_dense() -> None:
+    one_hot = torch.nn.functional.one_hot(torch.tensor([[3, 7], [0, 9]]), 10).float()
+    m = wire.tensor_to_proto(one_hot, sparse=True)
+    assert m.HasField("sparse_rows")
+    assert torch.equal(wire.tensor_from_proto(m, "probs"), one_hot)
+    full = torch.softmax(torch.randn(2, 3, 10), dim=-1)  # no zeros: sparse would be larger
+    assert not wire.tensor_to_proto(full, sparse=True).HasField("sparse_rows")
+    assert not wire.tensor_to_proto(one_hot).HasField("sparse_rows")  # only when asked
+
+
+def test_proposal_and_target_probs_are_sent_sparse_logprobs_dense() -> None:
+    probs = truncated((2, 3, 500), keep=5)
+    props = SpeculativeProposals(torch.zeros(2, 2, dtype=torch.long), probs[:, :2],
+                                 torch.tensor([2, 2]))
+    assert wire.proposals_to_proto(props).proposal_probs.HasField("sparse_rows")
+    scores = SpeculativeScores(probs, torch.log(probs), torch.zeros(2, 3, dtype=torch.long))
+    m = wire.scores_to_proto(scores)
+    assert m.probs.HasField("sparse_rows") and not m.logprobs.HasField("sparse_rows")
+    back = wire.scores_from_proto(m)
+    assert torch.equal(back.probs, probs) and torch.equal(back.logprobs, torch.log(probs))
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda m: setattr(m.sparse_rows, "row_starts", m.sparse_rows.row_starts[:-8]), "row_starts"),
+    (lambda m: setattr(m.sparse_rows, "row_starts",
+                       torch.tensor([0, 2, 1, 3, 3], dtype=torch.int64).numpy().tobytes()),
+     "never decrease"),
+    (lambda m: setattr(m.sparse_rows, "columns",
+                       torch.tensor([0, 1, 99], dtype=torch.int32).numpy().tobytes()),
+     "columns must be in"),
+    (lambda m: setattr(m, "data", m.data[:-4]), "data bytes"),
+])
+def test_malformed_sparse_rows_name_the_field(corrupt, message) -> None:
+    probs = torch.zeros(4, 10)
+    probs[0, 1], probs[1, 2], probs[2, 3] = 1.0, 1.0, 1.0  # rows 0-2 one-hot, row 3 empty
+    m = wire.tensor_to_proto(probs, sparse=True)
+    assert m.HasField("sparse_rows")
+    corrupt(m)
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        wire.tensor_from_proto(m, "scores.probs")
+    assert err.value.field == "scores.probs"

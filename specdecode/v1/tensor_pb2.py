@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdecode/v1/tensor.proto\x12\rspecdecode.v1\"J\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.specdecode.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdecode/v1/tensor.proto\x12\rspecdecode.v1\"z\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.specdecode.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12.\n\x0bsparse_rows\x18\x04 \x01(\x0b\x32\x19.specdecode.v1.SparseRows\"1\n\nSparseRows\x12\x12\n\nrow_starts\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\x0c*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x11\n\rDTYPE_FLOAT16\x10\x04\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdecode.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=121
-  _globals['_DTYPE']._serialized_end=243
+  _globals['_DTYPE']._serialized_start=220
+  _globals['_DTYPE']._serialized_end=342
   _globals['_TENSOR']._serialized_start=45
-  _globals['_TENSOR']._serialized_end=119
+  _globals['_TENSOR']._serialized_end=167
+  _globals['_SPARSEROWS']._serialized_start=169
+  _globals['_SPARSEROWS']._serialized_end=218
 # @@protoc_insertion_point(module_scope)
