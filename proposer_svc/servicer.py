@@ -7,10 +7,10 @@ from proposer_svc.ngram import NgramProposer
 from specdecode import wire
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.model_info import ModelInfo
-from specdecode.model_service import (ModelAccess, ModelOptions, decode_request, load_runner,
-                                      model_info_for, model_info_to_proto)
-from specdecode.server import Deferred, map_errors
-from specdecode.v1 import model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc
+from specdecode.model_service import (ModelOptions, ModelServicer, decode_request, load_runner,
+                                      model_info_for)
+from specdecode.server import map_errors
+from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 from specdecode.worker import ModelWorker
 
 # An n-gram proposer proposes ids taken from the sequence itself: any vocabulary fits.
@@ -26,14 +26,13 @@ def build_proposer(options: ModelOptions) -> tuple[SpeculativeProposer, ModelInf
     return DraftModelProposer(ModelWorker(runner, "draft")), info
 
 
-class ProposerServicer(Deferred, proposer_service_pb2_grpc.ProposerServiceServicer):
+class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceServicer):
     """Serves after attach(proposer=SpeculativeProposer, info=ModelInfo)."""
 
     proposer: SpeculativeProposer
-    info: ModelInfo
 
-    def __init__(self):
-        self.model = ModelAccess()
+    def _core(self) -> SpeculativeProposer:
+        return self.proposer
 
     @map_errors
     async def GetProposals(self, request, context):
@@ -49,12 +48,3 @@ class ProposerServicer(Deferred, proposer_service_pb2_grpc.ProposerServiceServic
         if self.info.vocab_size:
             return self.info
         return ModelInfo("ngram", 2**63 - 1, "", self.info.max_model_len)
-
-    @map_errors
-    async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self.info)
-
-    @map_errors
-    async def ReleaseSequences(self, request, context):
-        released = await self.model.run(self.proposer.release_sequences, list(request.seq_ids))
-        return model_info_pb2.ReleaseSequencesResponse(released=released)

@@ -7,11 +7,11 @@ from scorer_svc.multi_query import MultiQueryScorer
 from specdecode import wire
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
-from specdecode.model_service import (ModelAccess, ModelOptions, decode_request, load_runner,
-                                      model_info_for, model_info_to_proto)
+from specdecode.model_service import (ModelOptions, ModelServicer, decode_request, load_runner,
+                                      model_info_for)
 from specdecode.sequence import InvalidRequestError
-from specdecode.server import Deferred, map_errors
-from specdecode.v1 import model_info_pb2, scorer_service_pb2, scorer_service_pb2_grpc
+from specdecode.server import map_errors
+from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 from specdecode.worker import ModelWorker
 
 SCORING_METHODS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
@@ -26,14 +26,13 @@ def build_scorer(options: ModelOptions, scoring: str) -> tuple[SpeculativeScorer
     return SCORING_METHODS[scoring](ModelWorker(runner, "target")), info
 
 
-class ScorerServicer(Deferred, scorer_service_pb2_grpc.ScorerServiceServicer):
+class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceServicer):
     """Serves after attach(scorer=SpeculativeScorer, info=ModelInfo)."""
 
     scorer: SpeculativeScorer
-    info: ModelInfo
 
-    def __init__(self):
-        self.model = ModelAccess()
+    def _core(self) -> SpeculativeScorer:
+        return self.scorer
 
     @map_errors
     async def ScoreProposals(self, request, context):
@@ -53,12 +52,3 @@ class ScorerServicer(Deferred, scorer_service_pb2_grpc.ScorerServiceServicer):
         if not request.want_probs:
             scores.probs = None
         return scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))
-
-    @map_errors
-    async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self.info)
-
-    @map_errors
-    async def ReleaseSequences(self, request, context):
-        released = await self.model.run(self.scorer.release_sequences, list(request.seq_ids))
-        return model_info_pb2.ReleaseSequencesResponse(released=released)

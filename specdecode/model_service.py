@@ -18,6 +18,7 @@ from specdecode.model_runner import ForwardStats, ModelRunner
 from specdecode.models import (default_model_path, has_tokenizer, load_model, load_tokenizer, resolve_model_dir,
                                tokenizer_fingerprint, vocab_fingerprint)
 from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
+from specdecode.server import Deferred, map_errors
 from specdecode.v1 import model_info_pb2
 
 
@@ -70,6 +71,29 @@ class ModelAccess:
     async def run(self, fn, *args):
         async with self._lock:
             return await asyncio.to_thread(fn, *args)
+
+
+class ModelServicer(Deferred):
+    """What the proposer and scorer servicers share: GetModelInfo, ReleaseSequences, and one
+    model call at a time. Serves after attach(info=ModelInfo, <role>=its proposer/scorer)."""
+
+    info: ModelInfo
+
+    def __init__(self):
+        self.model = ModelAccess()
+
+    def _core(self):
+        """The proposer or scorer this servicer fronts."""
+        raise NotImplementedError
+
+    @map_errors
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self.info)
+
+    @map_errors
+    async def ReleaseSequences(self, request, context):
+        released = await self.model.run(self._core().release_sequences, list(request.seq_ids))
+        return model_info_pb2.ReleaseSequencesResponse(released=released)
 
 
 def decode_request(m, info: ModelInfo) -> ExecuteModelRequest:
