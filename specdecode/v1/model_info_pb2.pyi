@@ -37,8 +37,9 @@ Global___GetModelInfoRequest: _TypeAlias = GetModelInfoRequest  # noqa: Y015
 
 @_typing.final
 class ModelInfo(_message.Message):
-    """What a proposer or scorer serves. The orchestrator asks both services at start and
-    refuses to run a pair whose vocab_size, tokenizer_fingerprint or max_model_len disagree.
+    """What a proposer or scorer serves. The orchestrator asks both services at start, refuses
+    to run a pair whose vocab_size or tokenizer_fingerprint disagree, and lets sequences grow
+    to the smaller of the two max_model_len values.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
