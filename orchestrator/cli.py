@@ -9,7 +9,9 @@ import asyncio
 import json
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import click
 import grpc
@@ -203,7 +205,8 @@ def _start(stack: LocalStack) -> None:
     try:
         stack.start()
     except RuntimeError as exc:
-        click.echo(f"error: the local stack did not start: {exc}", err=True)
+        logs = f" (server logs: {stack.config.log_file})" if stack.config.log_file else ""
+        click.echo(f"error: the local stack did not start: {exc}{logs}", err=True)
         sys.exit(2)
 
 
@@ -273,8 +276,11 @@ DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th 
 def demo(max_tokens, **kw) -> None:
     """Start the local stack on the defaults, stream one generation, shut down."""
     stack = _stack(**kw)
+    log_file = Path(tempfile.gettempdir()) / "specdecode-demo.log"
+    log_file.write_text("")
+    stack.config.log_file = str(log_file)
     click.echo("starting proposer, scorer and orchestrator (the first run converts the "
-               "default model, ~20 s)...")
+               f"default model, ~20 s; server logs: {log_file})...")
     _start(stack)
     try:
         click.echo(f"serving on {stack.address}; streaming a generation:\n")

@@ -74,7 +74,8 @@ class StepMetrics:
 
     def __init__(self, engine: SpecDecodeEngine, log_interval_s: float = 5.0):
         self.engine = engine
-        self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s)
+        self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s,
+                                               restart_interval=True)
         self.collector.init_tensors(rank=0, device=engine.sampler.device)
         self._accepted_at: list[int] = []
         # Read at scrape time: a cancelled request leaves the batch without another step.

@@ -70,7 +70,7 @@ class AsyncMetricsCollector:
     """Copies the rejection sampler's counters to the host and turns them into metrics."""
 
     def __init__(self, rejection_sampler: SamplerCounters, timer: Timer | None = None,
-                 collect_interval_s: float = 5.0):
+                 collect_interval_s: float = 5.0, restart_interval: bool = False):
         self._rejection_sampler = rejection_sampler
         self._timer = time.time if timer is None else timer
         self._rank: int | None = None  # None until init_tensors: never collects
@@ -83,8 +83,10 @@ class AsyncMetricsCollector:
         self._aggregate_num_spec_sequences = 0
         self._rejsample_metrics_collect_interval_s = collect_interval_s
         # As in the seed, set once here and never reset: once the interval has passed, every
-        # other call collects (one starts a copy, the next returns it).
+        # other call collects (one starts a copy, the next returns it). restart_interval=True
+        # (for periodic logging) restarts the interval at each copy instead.
         self._last_metrics_collect_time = self._timer()
+        self._restart_interval = restart_interval
 
     def init_tensors(self, rank: int, device: torch.device | str) -> None:
         """Set the rank (only rank 0 collects) and the device the sampler's counters live on.
@@ -115,8 +117,11 @@ class AsyncMetricsCollector:
         if self._in_flight_copy is not None:
             ready_event, self._in_flight_copy = self._in_flight_copy, None
             return self._collect_rejsample_metrics(k, ready_event)
-        if self._should_collect_rejsample_metrics(self._timer()):
+        now = self._timer()
+        if self._should_collect_rejsample_metrics(now):
             self._in_flight_copy = self._copy_rejsample_metrics_async()
+            if self._restart_interval:
+                self._last_metrics_collect_time = now
         return None
 
     def _should_collect_rejsample_metrics(self, now: float) -> bool:

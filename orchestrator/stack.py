@@ -52,6 +52,7 @@ class StackConfig:
     port: int = 50051  # the orchestrator's; 0 = any free port
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    log_file: str | None = None  # the servers' logs go here (appended) instead of stderr
 
 
 class LocalStack:
@@ -75,7 +76,12 @@ class LocalStack:
         cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
                "--grace-seconds", str(self.config.grace_seconds),
                "--metrics-port", str(self.metrics_ports[role]), *args]
-        self.processes[role] = subprocess.Popen(cmd, env=env)
+        if self.config.log_file is None:
+            self.processes[role] = subprocess.Popen(cmd, env=env)
+        else:
+            with open(self.config.log_file, "a") as log:
+                self.processes[role] = subprocess.Popen(cmd, env=env, stdout=log,
+                                                        stderr=subprocess.STDOUT)
         return self.processes[role]
 
     def start(self, timeout_s: float = 300.0) -> str:

@@ -98,6 +98,21 @@ def test_interval_start_is_not_reset_as_in_seed() -> None:
     assert [r is not None for r in results] == [False, True] * 3
 
 
+def test_restart_interval_collects_once_per_interval() -> None:
+    """For periodic logging: the interval restarts at each copy, so after one collection
+    the next waits a whole interval."""
+    timer = FakeTimer(0.0)
+    collector = AsyncMetricsCollector(fake_sampler(10, 12, 16, 4), timer=timer,
+                                      collect_interval_s=INTERVAL, restart_interval=True)
+    collector.init_tensors(rank=0, device="cpu")
+    timer.now = INTERVAL
+    results = [collector.maybe_collect_rejsample_metrics(k=4) for _ in range(6)]
+    assert [r is not None for r in results] == [False, True, False, False, False, False]
+    timer.now = 2 * INTERVAL
+    assert collector.maybe_collect_rejsample_metrics(k=4) is None
+    assert collector.maybe_collect_rejsample_metrics(k=4) is not None
+
+
 @pytest.mark.parametrize("accepted,emitted,draft,spec_seqs,k", [
     (0, 0, 0, 0, 4),  # nothing yet: both rates NaN
     (10, 12, 16, 4, 4),  # fixed k: spec_seqs = draft // k
