@@ -22,7 +22,7 @@ from specdecode.model_info import ModelInfo
 from specdecode.model_service import model_info_from_proto
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
-                           scorer_service_pb2, scorer_service_pb2_grpc)
+                           scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
 
 class ServiceUnreachableError(RuntimeError):
@@ -58,6 +58,22 @@ def connect(role: str, address: str, options: list[tuple[str, int]],
                 f"the {role} at {address} did not report SERVING within {timeout_s:.0f}s "
                 f"(still loading its model?)")
         time.sleep(0.2)
+
+
+class _RequestEncoding:
+    """The step's request encoded once: the engine hands the proposer and then the scorer
+    the same ExecuteModelRequest object, so the second call reuses the first's protobuf."""
+
+    def __init__(self):
+        self._last: tuple[ExecuteModelRequest, sequence_pb2.ExecuteModelRequest] | None = None
+
+    def __call__(self, req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelRequest:
+        if self._last is None or self._last[0] is not req:
+            self._last = (req, wire.request_to_proto(req))
+        return self._last[1]
+
+
+_encode_request = _RequestEncoding()  # used from the engine thread only
 
 
 def _any_sampled(req: ExecuteModelRequest) -> bool:
@@ -116,7 +132,7 @@ class RemoteProposer(_Remote, SpeculativeProposer):
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         request = proposer_service_pb2.GetProposalsRequest(
-            request=wire.request_to_proto(execute_model_req),
+            request=_encode_request(execute_model_req),
             want_probs=_any_sampled(execute_model_req))
         response = self._call("GetProposals", request)
         return wire.proposals_from_proto(response.proposals, "proposals",
@@ -133,7 +149,7 @@ class RemoteScorer(_Remote, SpeculativeScorer):
                         proposals: SpeculativeProposals,
                         want_logprobs: bool = False) -> SpeculativeScores:
         request = scorer_service_pb2.ScoreProposalsRequest(
-            request=wire.request_to_proto(execute_model_req),
+            request=_encode_request(execute_model_req),
             proposals=wire.proposals_to_proto(proposals),
             want_probs=_any_sampled(execute_model_req), want_logprobs=want_logprobs)
         response = self._call("ScoreProposals", request)

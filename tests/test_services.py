@@ -273,3 +273,19 @@ def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, dra
     with SpecDecodeClient(stack.address) as client:
         got = client.generate(PROMPTS[3], max_tokens=20, **params)
     assert got.token_ids == want["x"].output_token_ids
+
+
+def test_step_request_is_encoded_once_for_both_services():
+    """The proposer and scorer clients share one encoding of the step's request."""
+    from orchestrator.remote import _encode_request
+    from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
+                                     SequenceGroupMetadata)
+
+    def request():
+        return ExecuteModelRequest([SequenceGroupMetadata(
+            "r", False, {0: SequenceData([1, 2], [3])}, SamplingParams())], 2)
+    first = request()
+    assert _encode_request(first) is _encode_request(first)
+    second = request()
+    encoded = _encode_request(second)
+    assert encoded is not _encode_request(first) and encoded == _encode_request(second)
