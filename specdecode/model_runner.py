@@ -38,7 +38,8 @@ class RunnerRow:
 @dataclass
 class _CacheEntry:
     token_ids: list[int]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [heads, len, head_dim]
+    keys: torch.Tensor  # [layers, heads, len, head_dim]: all layers in one tensor, so a
+    values: torch.Tensor  # row costs one copy per forward, not one per layer
 
 
 @dataclass
@@ -151,18 +152,16 @@ class ModelRunner:
 
     def _stack_past(self, rows: list[RunnerRow], past: list[int], P: int):
         """Per layer: cached keys/values of every row, left-padded to P. [B, heads, P, dim]"""
-        layers = []
-        template = self._cache[next(r.cache_id for r, p in zip(rows, past) if p)].kv
-        for layer, (k0, v0) in enumerate(template):
-            keys = k0.new_zeros(len(rows), k0.shape[0], P, k0.shape[2])
-            values = v0.new_zeros(len(rows), v0.shape[0], P, v0.shape[2])
-            for i, (row, p) in enumerate(zip(rows, past)):
-                if p:
-                    k, v = self._cache[row.cache_id].kv[layer]
-                    keys[i, :, P - p:] = k[:, :p]
-                    values[i, :, P - p:] = v[:, :p]
-            layers.append((keys, values))
-        return layers
+        template = self._cache[next(r.cache_id for r, p in zip(rows, past) if p)].keys
+        L, H, _, D = template.shape
+        keys = template.new_zeros(L, len(rows), H, P, D)
+        values = template.new_zeros(L, len(rows), H, P, D)
+        for i, (row, p) in enumerate(zip(rows, past)):
+            if p:
+                entry = self._cache[row.cache_id]
+                keys[:, i, :, P - p:] = entry.keys[:, :, :p]
+                values[:, i, :, P - p:] = entry.values[:, :, :p]
+        return list(zip(keys.unbind(0), values.unbind(0)))
 
     def _store(self, rows, past, new, P, cache) -> None:
         """Per cache id, keep the keys/values of its longest row: rows sharing a cache id
@@ -173,11 +172,13 @@ class ModelRunner:
             j = longest.get(row.cache_id)
             if j is None or len(row.token_ids) > len(rows[j].token_ids):
                 longest[row.cache_id] = i
+        keys = torch.stack([layer.keys for layer in cache.layers])  # [L, B, heads, P+N, dim]
+        values = torch.stack([layer.values for layer in cache.layers])
         for cache_id, i in longest.items():
             p, n = past[i], new[i]
-            kv = [(layer.keys[i, :, P - p:P + n].clone(), layer.values[i, :, P - p:P + n].clone())
-                  for layer in cache.layers]
-            self._cache[cache_id] = _CacheEntry(list(rows[i].token_ids), kv)
+            self._cache[cache_id] = _CacheEntry(list(rows[i].token_ids),
+                                                keys[:, i, :, P - p:P + n].clone(),
+                                                values[:, i, :, P - p:P + n].clone())
             self._cache.move_to_end(cache_id)
         while len(self._cache) > self.max_cached_sequences:
             self._cache.popitem(last=False)
