@@ -14,16 +14,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.engine import Request, SpecDecodeEngine
-from proposer_svc.draft import DraftModelProposer
-from proposer_svc.ngram import NgramProposer
-from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
-from scorer_svc.multi_query import MultiQueryScorer
+from orchestrator.engine import Request
+from orchestrator.inprocess import build_inprocess_engine
+from scorer_svc.methods import SCORING_METHODS
 from specdecode.device import resolve_device
-from specdecode.model_runner import ModelRunner
 from specdecode.models import TinyModelSpec, build_tiny_model
 from specdecode.sequence import SamplingParams
-from specdecode.worker import ModelWorker
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 8, 9, 7, 8, 9, 7, 8]]
 
@@ -48,13 +44,10 @@ def main(device: str, max_tokens: int) -> None:
     for col in ("proposer", "scorer", "k", "equal", "acceptance"):
         table.add_column(col)
     failures = 0
-    for name, proposer_of in [("draft", lambda: DraftModelProposer(ModelWorker(ModelRunner(draft, dev), "d"))),
-                              ("self", lambda: DraftModelProposer(ModelWorker(ModelRunner(target, dev), "d"))),
-                              ("ngram", lambda: NgramProposer(256))]:
-        for scorer_cls in (BatchExpansionTop1Scorer, MultiQueryScorer):
+    for name, proposer in [("draft", draft), ("self", target), ("ngram", "ngram")]:
+        for scoring in SCORING_METHODS:
             for k in (1, 4):
-                engine = SpecDecodeEngine(proposer_of(), scorer_cls(ModelWorker(ModelRunner(target, dev), "t")),
-                                          vocab_size=256, max_model_len=256, num_speculative_tokens=k)
+                engine = build_inprocess_engine(target, proposer, scoring, k, dev)
                 done = engine.generate([Request(str(i), p, SamplingParams(max_tokens=max_tokens))
                                         for i, p in enumerate(PROMPTS)])
                 equal = all(done[str(i)].output_token_ids == w for i, w in enumerate(want))
@@ -62,7 +55,7 @@ def main(device: str, max_tokens: int) -> None:
                 stats = [s.stats for s in done.values()]
                 draft_n = sum(s.draft_tokens for s in stats)
                 acc = sum(s.accepted_tokens for s in stats) / draft_n if draft_n else float("nan")
-                table.add_row(name, scorer_cls.__name__, str(k), "yes" if equal else "NO", f"{acc:.2f}")
+                table.add_row(name, scoring, str(k), "yes" if equal else "NO", f"{acc:.2f}")
     Console(width=120).print(table)
     sys.exit(1 if failures else 0)
 

@@ -26,10 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.engine import Request, SpecDecodeEngine
-from proposer_svc.draft import DraftModelProposer
-from proposer_svc.ngram import NgramProposer
-from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
-from scorer_svc.multi_query import MultiQueryScorer
+from orchestrator.inprocess import build_inprocess_engine
+from scorer_svc.methods import SCORING_METHODS
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_runner import ModelRunner
@@ -39,7 +37,6 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
 from specdecode.worker import ModelWorker
 
 DEVICE = torch.device("cpu")
-SCORERS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
 CODE_PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
@@ -69,12 +66,7 @@ def models(name: str, dtype: torch.dtype):
 
 
 def engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
-    proposer = (NgramProposer(target.config.max_position_embeddings) if draft == "ngram"
-                else DraftModelProposer(ModelWorker(ModelRunner(draft, DEVICE), "draft")))
-    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
-    return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
-                            max_model_len=target.config.max_position_embeddings,
-                            num_speculative_tokens=k)
+    return build_inprocess_engine(target, draft, scoring, k, DEVICE)
 
 
 def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> dict:
@@ -93,7 +85,7 @@ def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> 
 
 def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float:
     """One ScoreProposals on a warm cache: B sequences of `context` tokens, k proposals each."""
-    scorer = SCORERS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
+    scorer = SCORING_METHODS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(B * 100 + k)
     groups = [SequenceGroupMetadata(str(i), False, {i: SequenceData(
@@ -158,10 +150,10 @@ def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: st
         console.print(table)
 
         scoring_cfgs = [(B, k) for B in (1, 4) for k in (1, 4, 8)]
-        times = {(s, B, k): [] for s in SCORERS for B, k in scoring_cfgs}
+        times = {(s, B, k): [] for s in SCORING_METHODS for B, k in scoring_cfgs}
         for _ in range(repeats):
             for B, k in scoring_cfgs:
-                for s in SCORERS:
+                for s in SCORING_METHODS:
                     times[(s, B, k)].append(scoring_call_ms(target, s, B, k, context=64))
         table = Table(title=f"{name}: one scoring call (warm cache, 64-token context)")
         for col in ("B", "k", "batch expansion ms", "multi-query ms", "BE / MQ"):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
-from scorer_svc.multi_query import MultiQueryScorer
+from scorer_svc.methods import SCORING_METHODS
 from specdecode import wire
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
@@ -13,9 +12,6 @@ from specdecode.sequence import InvalidRequestError
 from specdecode.server import map_errors
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 from specdecode.worker import ModelWorker
-
-SCORING_METHODS = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
-
 
 def build_scorer(options: ModelOptions, scoring: str) -> tuple[SpeculativeScorer, ModelInfo]:
     if scoring not in SCORING_METHODS:

@@ -6,10 +6,7 @@ import pytest
 import torch
 
 from orchestrator.engine import Request, SpecDecodeEngine
-from proposer_svc.draft import DraftModelProposer
-from proposer_svc.ngram import NgramProposer
-from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
-from scorer_svc.multi_query import MultiQueryScorer
+from orchestrator.inprocess import build_inprocess_engine
 from specdecode.model_runner import ModelRunner
 from specdecode.models import TinyModelSpec, build_tiny_model
 from specdecode.sequence import SamplingParams
@@ -37,13 +34,7 @@ def worker(model, purpose: str) -> ModelWorker:
 def make_engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
     """draft: a model, or "ngram"."""
     # n_min=1: on random models longer n-grams rarely recur, and proposals are what we test.
-    proposer = (NgramProposer(target.config.max_position_embeddings, n_min=1) if draft == "ngram"
-                else DraftModelProposer(worker(draft, "draft")))
-    scorer_cls = {"batch-expansion": BatchExpansionTop1Scorer, "multi-query": MultiQueryScorer}
-    scorer = scorer_cls[scoring](worker(target, "target"))
-    return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
-                            max_model_len=target.config.max_position_embeddings,
-                            num_speculative_tokens=k)
+    return build_inprocess_engine(target, draft, scoring, k, CPU, ngram_min=1)
 
 
 @torch.inference_mode()
