@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from specdecode.v1 import sequence_pb2 as _sequence_pb2
 from specdecode.v1 import speculative_pb2 as _speculative_pb2
 import builtins as _builtins
@@ -36,7 +38,9 @@ class ScoreProposalsRequest(_message.Message):
     """
     @_builtins.property
     def request(self) -> _sequence_pb2.ExecuteModelRequest:
-        """The step's batch; each sequence carries its full token ids."""
+        """The step's batch; each sequence carries its full token ids or, in the delta form,
+        what was appended since this service last received it.
+        """
 
     @_builtins.property
     def proposals(self) -> _speculative_pb2.SpeculativeProposals:
@@ -67,18 +71,32 @@ class ScoreProposalsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCORES_FIELD_NUMBER: _builtins.int
+    MISSING_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    SERVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    service_seconds: _builtins.float
+    """Seconds this service spent on the call, from decoding the request to encoding the
+    response (the rest of the caller's wait is transport and queueing).
+    """
     @_builtins.property
     def scores(self) -> _speculative_pb2.SpeculativeScores:
         """One row per sequence of the request, in the same order."""
+
+    @_builtins.property
+    def missing_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Sequences sent in the delta form whose prefix this service does not hold. When not
+        empty, nothing ran and `scores` is unset: resend these sequences in the full form.
+        """
 
     def __init__(
         self,
         *,
         scores: _speculative_pb2.SpeculativeScores | None = ...,
+        missing_seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        service_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["missing_seq_ids", b"missing_seq_ids", "scores", b"scores", "service_seconds", b"service_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

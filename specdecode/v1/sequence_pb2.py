@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdecode/v1/sequence.proto\x12\rspecdecode.v1\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x42\x07\n\x05_seed\"B\n\x0cSequenceData\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x03\"\xec\x02\n\x15SequenceGroupMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_prompt\x18\x02 \x01(\x08\x12\x43\n\x08seq_data\x18\x03 \x03(\x0b\x32\x31.specdecode.v1.SequenceGroupMetadata.SeqDataEntry\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.specdecode.v1.SamplingParams\x12\x15\n\x08\x63\x61\x63he_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x1aK\n\x0cSeqDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.specdecode.v1.SequenceData:\x02\x38\x01\x42\x0b\n\t_cache_idB\x19\n\x17_num_speculative_tokens\"y\n\x13\x45xecuteModelRequest\x12\x45\n\x17seq_group_metadata_list\x18\x01 \x03(\x0b\x32$.specdecode.v1.SequenceGroupMetadata\x12\x1b\n\x13num_lookahead_slots\x18\x02 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdecode/v1/sequence.proto\x12\rspecdecode.v1\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x42\x07\n\x05_seed\"q\n\x0cSequenceData\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x03\x12-\n\x06prefix\x18\x03 \x01(\x0b\x32\x1d.specdecode.v1.SequencePrefix\".\n\x0eSequencePrefix\x12\x0e\n\x06length\x18\x01 \x01(\x03\x12\x0c\n\x04hash\x18\x02 \x01(\x06\"\xec\x02\n\x15SequenceGroupMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_prompt\x18\x02 \x01(\x08\x12\x43\n\x08seq_data\x18\x03 \x03(\x0b\x32\x31.specdecode.v1.SequenceGroupMetadata.SeqDataEntry\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.specdecode.v1.SamplingParams\x12\x15\n\x08\x63\x61\x63he_id\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\x05H\x01\x88\x01\x01\x1aK\n\x0cSeqDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.specdecode.v1.SequenceData:\x02\x38\x01\x42\x0b\n\t_cache_idB\x19\n\x17_num_speculative_tokens\"y\n\x13\x45xecuteModelRequest\x12\x45\n\x17seq_group_metadata_list\x18\x01 \x03(\x0b\x32$.specdecode.v1.SequenceGroupMetadata\x12\x1b\n\x13num_lookahead_slots\x18\x02 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=187
   _globals['_SEQUENCEDATA']._serialized_start=189
-  _globals['_SEQUENCEDATA']._serialized_end=255
-  _globals['_SEQUENCEGROUPMETADATA']._serialized_start=258
-  _globals['_SEQUENCEGROUPMETADATA']._serialized_end=622
-  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_start=507
-  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_end=582
-  _globals['_EXECUTEMODELREQUEST']._serialized_start=624
-  _globals['_EXECUTEMODELREQUEST']._serialized_end=745
+  _globals['_SEQUENCEDATA']._serialized_end=302
+  _globals['_SEQUENCEPREFIX']._serialized_start=304
+  _globals['_SEQUENCEPREFIX']._serialized_end=350
+  _globals['_SEQUENCEGROUPMETADATA']._serialized_start=353
+  _globals['_SEQUENCEGROUPMETADATA']._serialized_end=717
+  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_start=602
+  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_end=677
+  _globals['_EXECUTEMODELREQUEST']._serialized_start=719
+  _globals['_EXECUTEMODELREQUEST']._serialized_end=840
 # @@protoc_insertion_point(module_scope)

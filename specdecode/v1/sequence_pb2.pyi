@@ -71,35 +71,77 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 @_typing.final
 class SequenceData(_message.Message):
     """The token ids of one sequence. Mirrors `specdecode.sequence.SequenceData`.
-    Every request carries the full ids: a service may cache KV state per sequence, but
-    must check that the cached tokens are a prefix of these ids.
+    Full form: the prompt and every generated token. Delta form (`prefix` set): only the
+    tokens appended since this service last received the sequence; the service rebuilds the
+    full ids from its own record of the sequence, checked against `prefix`. A service may
+    cache KV state per sequence, but must check that the cached tokens are a prefix of the
+    full ids.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The prompt's token ids; never empty."""
+        """The prompt's token ids; never empty in the full form, empty in the delta form."""
 
     @_builtins.property
     def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The tokens generated so far, in order (empty before the first step)."""
+        """Full form: the tokens generated so far, in order (empty before the first step).
+        Delta form: the generated tokens after the prefix (may be empty).
+        """
+
+    @_builtins.property
+    def prefix(self) -> Global___SequencePrefix:
+        """Set in the delta form: the tokens this message leaves out. A service whose record of
+        the sequence does not start with exactly these tokens (restarted, evicted, another
+        replica) runs nothing and names the sequence in its response's `missing_seq_ids`.
+        """
 
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prefix: Global___SequencePrefix | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output_token_ids", b"output_token_ids", "prefix", b"prefix", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SequenceData: _TypeAlias = SequenceData  # noqa: Y015
+
+@_typing.final
+class SequencePrefix(_message.Message):
+    """The first `length` token ids of a sequence, named by length and hash, not sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LENGTH_FIELD_NUMBER: _builtins.int
+    HASH_FIELD_NUMBER: _builtins.int
+    length: _builtins.int
+    """How many tokens (prompt first, then generated) the prefix holds; at least the prompt."""
+    hash: _builtins.int
+    """Polynomial hash of those tokens: h = 0, then h = (h * 1000003 + token + 1) mod (2^61 - 1)
+    for each token in order (specdecode.token_store.extend_hash).
+    """
+    def __init__(
+        self,
+        *,
+        length: _builtins.int = ...,
+        hash: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hash", b"hash", "length", b"length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SequencePrefix: _TypeAlias = SequencePrefix  # noqa: Y015
 
 @_typing.final
 class SequenceGroupMetadata(_message.Message):
