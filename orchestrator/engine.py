@@ -68,6 +68,16 @@ class Sequence:
 
 
 @dataclass
+class TokenLogprobs:
+    """The target model's log-probabilities at one emitted position (before any sampling
+    control: the model's own distribution)."""
+
+    token_id: int
+    logprob: float  # of token_id
+    top: list[tuple[int, float]]  # the n most likely (token id, logprob), most likely first
+
+
+@dataclass
 class StepOutput:
     """What one step produced for one request."""
 
@@ -75,6 +85,20 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: str | None
     stats: RequestStats
+    # One per new token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs] | None = None
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], n: int) -> list[TokenLogprobs]:
+    """logprobs [k+1, V] of one sequence's step, token_ids[j] emitted at position j ->
+    each token's log-probability and the n most likely at its position."""
+    rows = logprobs[:len(token_ids)].float()  # [T, V]
+    top = rows.topk(n, dim=-1) if n else None
+    out = []
+    for j, t in enumerate(token_ids):
+        best = [] if top is None else list(zip(top.indices[j].tolist(), top.values[j].tolist()))
+        out.append(TokenLogprobs(t, float(rows[j, t]), best))
+    return out
 
 
 @dataclass
@@ -256,7 +280,15 @@ class SpecDecodeEngine:
             seq.stats.steps += 1
             new = self._append(seq, tokens)
             stats.new_tokens += len(new)
-            outputs.append(StepOutput(seq.request.request_id, new, seq.finish_reason, seq.stats))
+            logprobs = None
+            n_top = seq.request.sampling_params.logprobs
+            if n_top is not None:
+                if scores.logprobs is None:
+                    raise RuntimeError("the scorer returned no logprobs for a request that "
+                                       "asked for them")
+                logprobs = token_logprobs(scores.logprobs[i], new, n_top)
+            outputs.append(StepOutput(seq.request.request_id, new, seq.finish_reason, seq.stats,
+                                      logprobs))
             if seq.finish_reason:
                 finished.append(seq)
         for seq in finished:

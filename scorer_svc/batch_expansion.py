@@ -16,7 +16,8 @@ from itertools import count
 import torch
 
 from specdecode import tracing
-from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
+from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
+                                   wants_logprobs)
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from specdecode.worker import ModelWorker
 
@@ -94,6 +95,7 @@ class BatchExpansionTop1Scorer(SpeculativeScorer):
             tracing.set_attributes(span, {"specdecode.expanded_rows": len(batch.target_groups),
                                             "specdecode.spec_sequences": len(batch.spec_indices)})
         want_probs = any(not sg.sampling_params.greedy for sg in groups)
+        want_logprobs = want_logprobs or wants_logprobs(groups)
         with tracing.child_span("target_model.forward",
                                   {"specdecode.batch_size": len(batch.target_groups)}):
             out = self.worker.execute_model(execute_model_req.clone(batch.target_groups),

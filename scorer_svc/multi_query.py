@@ -8,7 +8,8 @@ import torch
 
 from scorer_svc.batch_expansion import scatter_scores
 from specdecode import tracing
-from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
+from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
+                                   wants_logprobs)
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
 
@@ -26,6 +27,7 @@ class MultiQueryScorer(SpeculativeScorer):
             token_ids = proposals.proposal_token_ids.tolist()  # [B, k]
             extended = [sg.with_appended(token_ids[i][:lens[i]]) for i, sg in enumerate(groups)]
         want_probs = any(not sg.sampling_params.greedy for sg in groups)
+        want_logprobs = want_logprobs or wants_logprobs(groups)
         with tracing.child_span("target_model.forward", {
                 "specdecode.batch_size": len(groups), "specdecode.query_rows": sum(lens) + len(lens)}):
             out = self.worker.score_rows(extended, [n + 1 for n in lens], want_probs, want_logprobs)

@@ -47,4 +47,8 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
                                       request.want_logprobs)
         if not request.want_probs:
             scores.probs = None
+        if scores.logprobs is not None:  # rows nobody asked for travel as zeros (sparse)
+            asked = [sg.sampling_params.logprobs is not None or request.want_logprobs
+                     for sg in req.seq_group_metadata_list]
+            scores.logprobs[[i for i, a in enumerate(asked) if not a]] = 0.0
         return scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))

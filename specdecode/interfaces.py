@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.sequence import ExecuteModelRequest
+from specdecode.sequence import ExecuteModelRequest, SequenceGroupMetadata
 
 
 @dataclass
@@ -45,6 +45,11 @@ class SpeculativeScores:
         return f"SpeculativeScores(probs={probs}, token_ids={tuple(self.token_ids.shape)})"
 
 
+def wants_logprobs(groups: list[SequenceGroupMetadata]) -> bool:
+    """Whether a scorer returns logprobs: some sequence of the batch asked for them."""
+    return any(sg.sampling_params.logprobs is not None for sg in groups)
+
+
 class SpeculativeProposer(ABC):
     @abstractmethod
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
@@ -61,7 +66,8 @@ class SpeculativeScorer(ABC):
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals,
                         want_logprobs: bool = False) -> SpeculativeScores:
-        """Probabilities are returned when any sequence samples; logprobs only when asked."""
+        """Probabilities are returned when any sequence samples; logprobs when asked, or
+        when some sequence's sampling params ask for them (`wants_logprobs`)."""
         raise NotImplementedError
 
     def release_sequences(self, seq_ids: list[int]) -> int:

@@ -1,16 +1,21 @@
 """From logits to probabilities and tokens under each sequence's own sampling params.
 
-Truncation (top-k, top-p) is part of the distribution: the probabilities returned here are
-the ones the rejection sampler compares, for the draft and the target alike.
+Every control is part of the distribution: the probabilities returned here are the ones the
+rejection sampler compares, for the draft and the target alike. The order follows vLLM:
+logit_bias, then the penalties (which depend on the tokens before the position: the
+prompt, the output so far, and at a draft position the draft tokens before it), then
+temperature (or greedy argmax), top-k, top-p, min_p. Log-probabilities are the model's own,
+before any control.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
-from specdecode.sequence import SamplingParams
+from specdecode.sequence import SamplingParams, SequenceData
 
 
 def step_generator(params: SamplingParams, position: int, purpose: str) -> torch.Generator | None:
@@ -25,10 +30,54 @@ def step_generator(params: SamplingParams, position: int, purpose: str) -> torch
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+@dataclass
+class TokenHistory:
+    """The tokens before one row's position: what its penalties look at."""
+
+    token_ids: list[int]  # prompt, then output (draft tokens included)
+    prompt_len: int  # token_ids[prompt_len:] are output tokens
+
+    @staticmethod
+    def of(data: SequenceData, num_queries: int = 1) -> list[TokenHistory]:
+        """The histories of a sequence's last num_queries positions, in order: row j reads
+        the tokens up to and including position len - num_queries + j (it predicts the
+        token after it), so with proposals appended row j sees the prefix plus
+        proposals[:j]."""
+        tokens, n = data.get_token_ids(), len(data.prompt_token_ids)
+        return [TokenHistory(tokens[:len(tokens) - num_queries + 1 + j], n)
+                for j in range(num_queries)]
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams,
+                     history: TokenHistory | None) -> torch.Tensor:
+    """logits [V] of one row -> float32 logits [V] after logit_bias and the penalties
+    (vLLM's formulas: repetition over prompt and output tokens, presence and frequency over
+    output tokens). A new tensor; `history` may be None when no penalty is set."""
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                            device=logits.device)
+        logits.index_add_(0, ids, bias)
+    if params.has_penalties:
+        assert history is not None, "penalties need the token history"
+        V = logits.shape[-1]
+        tokens = torch.tensor(history.token_ids, dtype=torch.long, device=logits.device)
+        if params.repetition_penalty != 1.0:
+            seen = tokens.unique()
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / params.repetition_penalty,
+                                       x * params.repetition_penalty)
+        counts = torch.bincount(tokens[history.prompt_len:], minlength=V)[:V].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
 def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> float32 probs [N, V] after temperature, top-k and top-p.
+    """logits [N, V] -> float32 probs [N, V] after temperature, top-k, top-p and min-p.
 
     Greedy params give the one-hot of the argmax (the distribution greedy decoding samples).
+    Pass logits through `processed_logits` first when the params have bias or penalties.
     """
     logits = logits.float()
     if params.greedy:
@@ -45,6 +94,10 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:
+        drop = probs < params.min_p * probs.max(-1, keepdim=True).values  # [N, V]
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
@@ -55,19 +108,29 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
 
 
 def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                  purpose: str, want_probs: bool, want_logprobs: bool):
+                  purpose: str, want_probs: bool, want_logprobs: bool,
+                  histories: list[TokenHistory | None] | None = None):
     """logits [N, V] for N single-query rows -> SamplerOutput.
 
-    Row i draws the token at sequence position positions[i]: argmax when greedy, else a
-    sample from its truncated distribution with that request's step generator.
+    Row i draws the token at sequence position positions[i]: the argmax of its processed
+    logits when greedy, else a sample from its processed, truncated distribution with that
+    request's step generator. histories[i]: the tokens before row i (needed only by rows
+    with penalties). Logprobs are log_softmax of the raw logits.
     """
     from specdecode.sequence import SamplerOutput
 
-    token_ids = logits.argmax(-1)  # [N]
+    histories = histories or [None] * len(params)
+    controlled = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
+    shaped = logits
+    if controlled:
+        shaped = logits.float().clone()
+        for i in controlled:
+            shaped[i] = processed_logits(logits[i], params[i], histories[i])
+    token_ids = shaped.argmax(-1)  # [N]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     probs = None
     if sampled or want_probs:
-        probs = torch.stack([truncated_probs(row[None], p)[0] for row, p in zip(logits, params)])
+        probs = torch.stack([truncated_probs(row[None], p)[0] for row, p in zip(shaped, params)])
         if sampled:
             gens = [step_generator(params[i], positions[i], purpose) for i in sampled]
             token_ids[sampled] = sample(probs[sampled], gens)

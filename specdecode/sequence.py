@@ -24,9 +24,19 @@ class InvalidRequestError(ValueError):
         self.detail = message
 
 
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
+
+
 @dataclass
 class SamplingParams:
-    """How one request samples. temperature 0 means greedy."""
+    """How one request samples. temperature 0 means greedy.
+
+    Every control below shapes the distribution that both the draft and the target model
+    sample from at each position (see specdecode.sampling.processed_logits), so rejection
+    sampling compares like with like and stays exact. Penalties follow vLLM's meaning:
+    repetition_penalty looks at prompt and output tokens, presence and frequency penalties
+    at output tokens only.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = whole vocabulary
@@ -34,10 +44,25 @@ class SamplingParams:
     seed: int | None = None  # None = nondeterministic
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0  # in [0, 1]: drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # > 0; 1 = off. Seen tokens' logits: / if > 0, x if < 0
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this once for each token already output
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times the token's output count
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Log-probabilities to report per emitted token: None = none, 0 = the chosen token's,
+    # n = also the n most likely (at most MAX_LOGPROBS). They are the target model's own,
+    # before any control above (the model's distribution, as OpenAI and vLLM report it).
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the distribution depends on the tokens before each position."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not self.temperature >= 0.0:  # also catches NaN
@@ -48,11 +73,31 @@ class SamplingParams:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequestError("repetition_penalty",
+                                      f"must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        bad_bias = {t: b for t, b in self.logit_bias.items() if not -100.0 <= b <= 100.0}
+        if bad_bias:
+            raise InvalidRequestError("logit_bias", f"values must be in [-100, 100], got "
+                                                    f"{dict(list(bad_bias.items())[:5])}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("logprobs",
+                                      f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise InvalidRequestError(
                     "stop_token_ids", f"ids {bad} outside the vocabulary [0, {vocab_size})")
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    "logit_bias", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass

@@ -162,15 +162,21 @@ def sampling_params_to_proto(p: SamplingParams) -> sequence_pb2.SamplingParams:
     """Encode SamplingParams (seed None = unset)."""
     return sequence_pb2.SamplingParams(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-        max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids)
+        max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs)
 
 
 def sampling_params_from_proto(m: sequence_pb2.SamplingParams) -> SamplingParams:
-    """Decode SamplingParams (unset seed = None). Ranges are checked by `validate`."""
+    """Decode SamplingParams (unset seed / logprobs = None, repetition_penalty 0 = 1).
+    Ranges are checked by `validate`."""
     return SamplingParams(
         temperature=m.temperature, top_k=m.top_k, top_p=m.top_p,
         seed=m.seed if m.HasField("seed") else None, max_tokens=m.max_tokens,
-        stop_token_ids=tuple(m.stop_token_ids))
+        stop_token_ids=tuple(m.stop_token_ids), min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty or 1.0, presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty, logit_bias=dict(m.logit_bias),
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
 
 
 def sequence_data_to_proto(d: SequenceData) -> sequence_pb2.SequenceData:
@@ -260,7 +266,8 @@ def proposals_from_proto(m: speculative_pb2.SpeculativeProposals, field: str = "
 def scores_to_proto(s: SpeculativeScores) -> speculative_pb2.SpeculativeScores:
     """Encode scores (probs / logprobs None = unset)."""
     return speculative_pb2.SpeculativeScores(
-        probs=_optional_tensor(s.probs, sparse=True), logprobs=_optional_tensor(s.logprobs),
+        probs=_optional_tensor(s.probs, sparse=True),
+        logprobs=_optional_tensor(s.logprobs, sparse=True),
         token_ids=tensor_to_proto(s.token_ids))
 
 

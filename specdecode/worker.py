@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.sampling import sample_logits
+from specdecode.sampling import TokenHistory, sample_logits
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 
 
@@ -33,12 +33,17 @@ class ModelWorker:
         rows = [RunnerRow(sg.kv_cache_id, sg.data.get_token_ids(), q)
                 for sg, q in zip(groups, num_queries)]
         logits = self.runner.forward(rows)
-        params, positions = [], []
+        params, positions, histories = [], [], []
         for sg, q in zip(groups, num_queries):
             params += [sg.sampling_params] * q
             positions += range(sg.data.get_len() - q + 1, sg.data.get_len() + 1)
+            # Penalties look at the tokens before each row: row j of a multi-query sequence
+            # sees the prefix plus proposals[:j], an expanded or draft row its own tokens.
+            histories += (TokenHistory.of(sg.data, q) if sg.sampling_params.has_penalties
+                          else [None] * q)
         flat = torch.cat(logits) if logits else torch.empty(0, self.vocab_size)  # [N, V]
-        return sample_logits(flat, params, positions, self.purpose, want_probs, want_logprobs)
+        return sample_logits(flat, params, positions, self.purpose, want_probs, want_logprobs,
+                             histories)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest, want_probs: bool = False,
                       want_logprobs: bool = False) -> SamplerOutput:

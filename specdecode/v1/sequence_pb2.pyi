@@ -26,12 +26,38 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature; 0 = greedy (argmax). Must be >= 0."""
     top_k: _builtins.int
@@ -44,9 +70,38 @@ class SamplingParams(_message.Message):
     """Random seed for this request's sampling; unset = nondeterministic."""
     max_tokens: _builtins.int
     """The most tokens the request may generate in total. Must be >= 1."""
+    min_p: _builtins.float
+    """The controls below shape the distribution that the draft and the target model both
+    sample from at every position, so rejection sampling stays exact. Order: logit_bias,
+    penalties, temperature, top-k, top-p, min-p. Penalties look at the tokens before the
+    position, draft tokens included.
+    Min-p truncation in [0, 1]: drop tokens whose probability is below min_p times the
+    most likely token's; 0 = off.
+    """
+    repetition_penalty: _builtins.float
+    """Repetition penalty in (0, 100]: the logit of every token in the prompt or output so
+    far is divided by it when positive, multiplied when negative. 1 = off; 0 (unset) = 1.
+    """
+    presence_penalty: _builtins.float
+    """Presence penalty in [-2, 2], subtracted from the logit of every token already in the
+    output (prompt excluded); 0 = off.
+    """
+    frequency_penalty: _builtins.float
+    """Frequency penalty in [-2, 2], times how often the token is already in the output,
+    subtracted from its logit; 0 = off.
+    """
+    logprobs: _builtins.int
+    """Log-probabilities to return for this sequence: unset = none, 0 = the chosen token's,
+    n in [1, 20] = also the n most likely. A scorer returns `scores.logprobs` when any
+    sequence of the step sets this.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the request when generated (e.g. end-of-sequence)."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Token id -> value in [-100, 100] added to its logit before everything else."""
 
     def __init__(
         self,
@@ -57,13 +112,24 @@ class SamplingParams(_message.Message):
         seed: _builtins.int | None = ...,
         max_tokens: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        min_p: _builtins.float = ...,
+        repetition_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_tokens", b"max_tokens", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015

@@ -52,6 +52,60 @@ A client that cancels its own call receives no further message.
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
+class GetModelInfoResponse(_message.Message):
+    """What the public API serves (the answer to SpecDecodeService.GetModelInfo)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    DRAFT_MODEL_NAME_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SCORING_METHOD_FIELD_NUMBER: _builtins.int
+    HAS_TOKENIZER_FIELD_NUMBER: _builtins.int
+    MAX_LOGPROBS_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """The target model's name: whose output this server produces."""
+    draft_model_name: _builtins.str
+    """The draft model's name, or "ngram" for prompt-lookup proposals."""
+    vocab_size: _builtins.int
+    """Size of the vocabulary: token ids are in [0, vocab_size)."""
+    max_model_len: _builtins.int
+    """The most tokens (prompt + generated) one sequence may hold."""
+    num_speculative_tokens: _builtins.int
+    """Speculative tokens per step (k) when a request does not set its own."""
+    max_speculative_tokens: _builtins.int
+    """The most speculative tokens a request may ask for."""
+    scoring_method: _builtins.str
+    """How the target scores proposals: "batch_expansion" or "multi_query"."""
+    has_tokenizer: _builtins.bool
+    """True when the server has a tokenizer (text prompts and stop strings work)."""
+    max_logprobs: _builtins.int
+    """The most top log-probabilities a request may ask for per token."""
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        draft_model_name: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
+        max_model_len: _builtins.int = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        max_speculative_tokens: _builtins.int = ...,
+        scoring_method: _builtins.str = ...,
+        has_tokenizer: _builtins.bool = ...,
+        max_logprobs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_model_name", b"draft_model_name", "has_tokenizer", b"has_tokenizer", "max_logprobs", b"max_logprobs", "max_model_len", b"max_model_len", "max_speculative_tokens", b"max_speculative_tokens", "model_name", b"model_name", "num_speculative_tokens", b"num_speculative_tokens", "scoring_method", b"scoring_method", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
 class TokenIds(_message.Message):
     """A list of token ids."""
 
@@ -81,6 +135,26 @@ class GenerateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
@@ -92,6 +166,14 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Prompt text, tokenized by the server (no chat template is applied)."""
     max_tokens: _builtins.int
@@ -112,6 +194,31 @@ class GenerateRequest(_message.Message):
     """Client-chosen id, echoed in every response and used in traces and logs; empty = the
     server assigns one.
     """
+    min_p: _builtins.float
+    """The controls below shape the distribution the draft and the target model both sample
+    from (also under greedy decoding), so speculation never changes the output.
+    Min-p truncation in [0, 1]: drop tokens below min_p times the top token's probability.
+    """
+    repetition_penalty: _builtins.float
+    """Repetition penalty in (0, 100] over prompt and output tokens (vLLM's meaning);
+    0 = the default 1.0 (off).
+    """
+    presence_penalty: _builtins.float
+    """Presence penalty in [-2, 2] over output tokens (OpenAI's meaning)."""
+    frequency_penalty: _builtins.float
+    """Frequency penalty in [-2, 2] over output tokens (OpenAI's meaning)."""
+    logprobs: _builtins.int
+    """Return log-probabilities: unset = none, 0 = each emitted token's own, n in [1, 20] =
+    also the n most likely tokens at that position. They are the target model's
+    log-probabilities before temperature, penalties, bias and truncation (the model's
+    own distribution, as OpenAI and vLLM report them).
+    """
+    n: _builtins.int
+    """Independent samples of the prompt; 0 = 1. Each sample has its own `index` in the
+    responses; a seeded request seeds sample i with seed + i.
+    """
+    ignore_eos: _builtins.bool
+    """Keep generating past the model's end-of-sequence token (stop_token_ids still stop)."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Prompt as token ids of the served tokenizer."""
@@ -128,6 +235,10 @@ class GenerateRequest(_message.Message):
         the stop token is returned in `token_ids` but its text is not.
         """
 
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Token id -> bias in [-100, 100] added to its logit."""
+
     def __init__(
         self,
         *,
@@ -142,17 +253,29 @@ class GenerateRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_speculative_tokens: _builtins.int | None = ...,
         request_id: _builtins.str = ...,
+        min_p: _builtins.float = ...,
+        repetition_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        logprobs: _builtins.int | None = ...,
+        n: _builtins.int = ...,
+        ignore_eos: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "seed", b"seed", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "logprobs", b"logprobs", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "seed", b"seed", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "max_tokens", b"max_tokens", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "num_speculative_tokens", b"num_speculative_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
     @_typing.overload
@@ -161,6 +284,64 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    """A token and its log-probability under the target model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token id."""
+    logprob: _builtins.float
+    """Its log-probability (natural log)."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprobs(_message.Message):
+    """Log-probabilities at one emitted position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The emitted token."""
+    logprob: _builtins.float
+    """Its log-probability (natural log) under the target model."""
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The `logprobs` most likely tokens at this position, most likely first."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
@@ -178,7 +359,7 @@ class Usage(_message.Message):
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     completion_tokens: _builtins.int
-    """Tokens generated and returned (the sum of all `token_ids` deltas)."""
+    """Tokens generated and returned (the sum of all `token_ids` deltas of this sample)."""
     draft_tokens: _builtins.int
     """Draft tokens proposed for this request over all steps."""
     accepted_tokens: _builtins.int
@@ -221,6 +402,8 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (client-chosen, or assigned by the server)."""
     text: _builtins.str
@@ -229,13 +412,19 @@ class GenerateResponse(_message.Message):
     """
     finish_reason: Global___FinishReason.ValueType
     """FINISH_REASON_UNSPECIFIED while the request runs; set on the last message only."""
+    index: _builtins.int
+    """Which of the request's n samples this message belongs to, in [0, n)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New token ids since the previous message."""
 
     @_builtins.property
     def usage(self) -> Global___Usage:
-        """Counts for the whole request; set on the last message only."""
+        """Counts for this sample (prompt_tokens included); set on its last message only."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprobs]:
+        """One entry per id in `token_ids`, when the request set `logprobs`."""
 
     def __init__(
         self,
@@ -245,10 +434,12 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        index: _builtins.int = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from specdecode.v1 import model_info_pb2 as specdecode_dot_v1_dot_model__info__pb2
 from specdecode.v1 import spec_decode_service_pb2 as specdecode_dot_v1_dot_spec__decode__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -46,6 +47,11 @@ class SpecDecodeServiceStub:
                 request_serializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/specdecode.v1.SpecDecodeService/GetModelInfo',
+                request_serializer=specdecode_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
 
 
 class SpecDecodeServiceServicer:
@@ -61,6 +67,14 @@ class SpecDecodeServiceServicer:
     def Generate(self, request, context):
         """Generates a completion, streaming the new text and token ids as they are verified.
         Every message carries the request id; the last one has `finish_reason` and `usage` set.
+        With n > 1 the stream interleaves the n samples, each message naming its `index`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """Describes what this server serves: the model, its limits and how it speculates.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,6 +87,11 @@ def add_SpecDecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateRequest.FromString,
                     response_serializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=specdecode_dot_v1_dot_model__info__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=specdecode_dot_v1_dot_spec__decode__service__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -109,6 +128,33 @@ class SpecDecodeService:
             '/specdecode.v1.SpecDecodeService/Generate',
             specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateRequest.SerializeToString,
             specdecode_dot_v1_dot_spec__decode__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdecode.v1.SpecDecodeService/GetModelInfo',
+            specdecode_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+            specdecode_dot_v1_dot_spec__decode__service__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from specdecode.v1 import model_info_pb2 as _model_info_pb2
 from specdecode.v1 import spec_decode_service_pb2 as _spec_decode_service_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -43,7 +44,10 @@ class SpecDecodeServiceStub:
     Generate: _grpc.UnaryStreamMultiCallable[_spec_decode_service_pb2.GenerateRequest, _spec_decode_service_pb2.GenerateResponse]
     """Generates a completion, streaming the new text and token ids as they are verified.
     Every message carries the request id; the last one has `finish_reason` and `usage` set.
+    With n > 1 the stream interleaves the n samples, each message naming its `index`.
     """
+    GetModelInfo: _grpc.UnaryUnaryMultiCallable[_model_info_pb2.GetModelInfoRequest, _spec_decode_service_pb2.GetModelInfoResponse]
+    """Describes what this server serves: the model, its limits and how it speculates."""
 
 @_typing.type_check_only
 class SpecDecodeServiceAsyncStub(SpecDecodeServiceStub):
@@ -60,7 +64,10 @@ class SpecDecodeServiceAsyncStub(SpecDecodeServiceStub):
     Generate: _aio.UnaryStreamMultiCallable[_spec_decode_service_pb2.GenerateRequest, _spec_decode_service_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generates a completion, streaming the new text and token ids as they are verified.
     Every message carries the request id; the last one has `finish_reason` and `usage` set.
+    With n > 1 the stream interleaves the n samples, each message naming its `index`.
     """
+    GetModelInfo: _aio.UnaryUnaryMultiCallable[_model_info_pb2.GetModelInfoRequest, _spec_decode_service_pb2.GetModelInfoResponse]  # type: ignore[assignment]
+    """Describes what this server serves: the model, its limits and how it speculates."""
 
 class SpecDecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """The public text-generation API, served by the orchestrator.
@@ -80,6 +87,15 @@ class SpecDecodeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_spec_decode_service_pb2.GenerateResponse], _abc.AsyncIterator[_spec_decode_service_pb2.GenerateResponse]]:
         """Generates a completion, streaming the new text and token ids as they are verified.
         Every message carries the request id; the last one has `finish_reason` and `usage` set.
+        With n > 1 the stream interleaves the n samples, each message naming its `index`.
         """
+
+    @_abc_1.abstractmethod
+    def GetModelInfo(
+        self,
+        request: _model_info_pb2.GetModelInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_spec_decode_service_pb2.GetModelInfoResponse, _abc.Awaitable[_spec_decode_service_pb2.GetModelInfoResponse]]:
+        """Describes what this server serves: the model, its limits and how it speculates."""
 
 def add_SpecDecodeServiceServicer_to_server(servicer: SpecDecodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -81,8 +81,10 @@ class SpeculativeScores(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _tensor_pb2.Tensor:
-        """[B, k+1, V] float target log-probabilities; -inf where not scored. Unset unless asked
-        for (`want_logprobs`).
+        """[B, k+1, V] float target log-probabilities (the model's own, before any sampling
+        control); -inf where not scored. Unset unless some sequence's sampling params set
+        `logprobs` (or `want_logprobs`); rows of sequences that did not ask may be all zero
+        (they then travel sparse).
         """
 
     @_builtins.property
