@@ -26,15 +26,17 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.engine import Request, SpecDecodeEngine
-from orchestrator.inprocess import build_inprocess_engine
 from scorer_svc.methods import SCORING_METHODS
-from specdecode.interfaces import SpeculativeProposals
 from specdecode.device import resolve_device, resolve_dtype
+from specdecode.interfaces import SpeculativeProposals
 from specdecode.model_runner import ModelRunner
-from specdecode.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
+from specdecode.models import load_model, load_tokenizer
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
 from specdecode.worker import ModelWorker
+from specdecode_stack.inprocess import build_inprocess_engine
+
+from tiny_models import TinyModelSpec, build_tiny_model
 
 DEVICE = torch.device("cpu")
 CODE_PROMPTS = [

@@ -27,9 +27,11 @@ from rich.table import Table
 
 from orchestrator.client import SpecDecodeClient
 from orchestrator.engine import Request
-from orchestrator.stack import LocalStack, StackConfig
-from specdecode.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
+from specdecode.models import load_model, load_tokenizer
 from specdecode.sequence import SamplingParams
+from specdecode_stack.local import LocalStack, StackConfig
+
+from tiny_models import TinyModelSpec, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from engine_bench import CODE_PROMPTS, engine  # noqa: E402

@@ -28,8 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.client import SpecDecodeClient, build_request
-from orchestrator.stack import LocalStack, StackConfig, free_port
-from specdecode.models import TinyModelSpec, build_tiny_model, load_tokenizer
+from specdecode.models import load_tokenizer
+from specdecode_stack.local import LocalStack, StackConfig, free_port
+
+from tiny_models import TinyModelSpec, build_tiny_model
 
 RECEIVER = """
 import sys

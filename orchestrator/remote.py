@@ -12,14 +12,13 @@ from __future__ import annotations
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import tracing, wire
+from specdecode.health import wait_serving
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
-from specdecode.model_service import model_info_from_proto
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
@@ -43,21 +42,12 @@ def connect(role: str, address: str, options: list[tuple[str, int]],
         raise ServiceUnreachableError(
             f"cannot reach the {role} at {address} within {timeout_s:.0f}s "
             f"(is `specdecode serve {role}` running there?)") from None
-    health = health_pb2_grpc.HealthStub(channel)
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=max(0.5, min(5, left)))
-            if status.status == health_pb2.HealthCheckResponse.SERVING:
-                return channel
-        except grpc.RpcError:
-            pass
-        if left <= 0:
-            channel.close()
-            raise ServiceUnreachableError(
-                f"the {role} at {address} did not report SERVING within {timeout_s:.0f}s "
-                f"(still loading its model?)")
-        time.sleep(0.2)
+    if not wait_serving(channel, deadline - time.monotonic()):
+        channel.close()
+        raise ServiceUnreachableError(
+            f"the {role} at {address} did not report SERVING within {timeout_s:.0f}s "
+            f"(still loading its model?)")
+    return channel
 
 
 class _RequestEncoding:
@@ -115,7 +105,7 @@ class _Remote:
     def model_info(self) -> ModelInfo:
         info = self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(),
                                       timeout=self.timeout_s, wait_for_ready=True)
-        return model_info_from_proto(info)
+        return wire.model_info_from_proto(info)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         if not seq_ids:

@@ -1,71 +1,19 @@
-"""Entry points of the three servers (what `specdecode serve ...` runs).
+"""The orchestrator's entry point (what `specdecode serve orchestrator` runs). The proposer's
+and the scorer's are proposer_svc.serve and scorer_svc.serve.
 
-Each role imports only its own modules, so a process's /metrics lists only the metrics of
-its role (the orchestrator's step metrics are not registered in the proposer, and so on).
-"""
+It imports the orchestrator's modules when it runs, so that a process's /metrics lists only
+the metrics of its role (the orchestrator's step metrics are not registered in the proposer,
+and so on)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
-from specdecode.model_service import ModelOptions, export_runner_metrics
-from specdecode.server import Deferred, GrpcServer, ServerOptions
-from specdecode.v1 import (proposer_service_pb2, proposer_service_pb2_grpc, scorer_service_pb2,
-                           scorer_service_pb2_grpc, spec_decode_service_pb2,
-                           spec_decode_service_pb2_grpc)
+from specdecode.server import ServerOptions, serve_deferred
+from specdecode.v1 import spec_decode_service_pb2, spec_decode_service_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-def _service_name(module) -> str:
-    (service,) = module.DESCRIPTOR.services_by_name.values()
-    return service.full_name
-
-
-async def _serve(options: ServerOptions, service_module, add, servicer: Deferred, load,
-                 start_traces: bool = False) -> None:
-    """Serve with health NOT_SERVING while `load` runs (in a thread), attach what it
-    returns, report SERVING, and drain on SIGTERM. Only the public API starts traces; the
-    proposer and scorer continue their caller's."""
-    server = GrpcServer(options, [_service_name(service_module)], start_traces=start_traces)
-    add(servicer, server.server)
-    await server.start()
-    try:
-        servicer.attach(**await asyncio.to_thread(load))
-    except BaseException:
-        await server.server.stop(None)
-        raise
-    await server.set_serving()
-    await server.wait_for_termination()
-
-
-async def serve_proposer(options: ServerOptions, model: ModelOptions) -> None:
-    from proposer_svc.servicer import ProposerServicer, build_proposer
-
-    def load():
-        proposer, info = build_proposer(model)
-        if hasattr(proposer, "worker"):  # a draft model (the n-gram proposer has none)
-            export_runner_metrics(proposer.worker.runner, "proposer")
-        log.info("proposer ready: %s", info)
-        return {"proposer": proposer, "info": info}
-    await _serve(options, proposer_service_pb2,
-                 proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
-                 ProposerServicer(), load)
-
-
-async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str) -> None:
-    from scorer_svc.servicer import ScorerServicer, build_scorer
-
-    def load():
-        scorer, info = build_scorer(model, scoring)
-        export_runner_metrics(scorer.worker.runner, "scorer")
-        log.info("scorer ready: %s", info)
-        return {"scorer": scorer, "info": info}
-    await _serve(options, scorer_service_pb2,
-                 scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
-                 ScorerServicer(), load)
 
 
 async def serve_orchestrator(options: ServerOptions, proposer_address: str, scorer_address: str,
@@ -109,9 +57,9 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         return {"loop": loops[0], "tokenizer": tok}
 
     try:
-        await _serve(options, spec_decode_service_pb2,
-                     spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
-                     SpecDecodeServicer(default_max_tokens), load, start_traces=True)
+        await serve_deferred(options, spec_decode_service_pb2,
+                             spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
+                             SpecDecodeServicer(default_max_tokens), load, start_traces=True)
     finally:
         for loop in loops:
             loop.stop()

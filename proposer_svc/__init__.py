@@ -1,1 +1,2 @@
-"""Proposer service: draft-model and n-gram proposers and their gRPC servicer."""
+"""Proposer service: draft-model and n-gram proposers, their gRPC servicer and the entry point
+(serve)."""

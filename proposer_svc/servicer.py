@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from specdecode import wire
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.model_info import ModelInfo
-from specdecode.model_service import (ModelOptions, ModelServicer, decode_request, load_runner,
-                                      model_info_for)
+from specdecode.model_loading import ModelOptions, load_runner, model_info_for
+from specdecode.model_runner import ModelRunner
+from specdecode.model_servicer import ModelServicer, decode_request
 from specdecode.server import map_errors
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 from specdecode.worker import ModelWorker
@@ -18,12 +21,20 @@ NGRAM_INFO = ModelInfo(model_name="ngram", vocab_size=0, tokenizer_fingerprint="
                        max_model_len=2**31 - 1, device="cpu", dtype="", role="proposer")
 
 
-def build_proposer(options: ModelOptions) -> tuple[SpeculativeProposer, ModelInfo]:
+@dataclass(frozen=True)
+class LoadedProposer:
+    proposer: SpeculativeProposer
+    info: ModelInfo
+    runner: ModelRunner | None  # the draft model's; None for the n-gram proposer
+
+
+def build_proposer(options: ModelOptions) -> LoadedProposer:
+    """The proposer that `options` name: "ngram", or a draft model loaded from its path."""
     if options.model == "ngram":
-        return NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO
+        return LoadedProposer(NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO, None)
     runner, fingerprint = load_runner(options)
     info = model_info_for(runner, options, fingerprint, role="proposer")
-    return DraftModelProposer(ModelWorker(runner, "draft")), info
+    return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft")), info, runner)
 
 
 class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceServicer):

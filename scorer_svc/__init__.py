@@ -1,1 +1,2 @@
-"""Scorer service: batch-expansion and multi-query scorers and their gRPC servicer."""
+"""Scorer service: batch-expansion and multi-query scorers, their gRPC servicer and the entry
+point (serve)."""

@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from scorer_svc.methods import SCORING_METHODS
 from specdecode import wire
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
-from specdecode.model_service import (ModelOptions, ModelServicer, decode_request, load_runner,
-                                      model_info_for)
+from specdecode.model_loading import ModelOptions, load_runner, model_info_for
+from specdecode.model_runner import ModelRunner
+from specdecode.model_servicer import ModelServicer, decode_request
 from specdecode.sequence import InvalidRequestError
 from specdecode.server import map_errors
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 from specdecode.worker import ModelWorker
 
-def build_scorer(options: ModelOptions, scoring: str) -> tuple[SpeculativeScorer, ModelInfo]:
+
+@dataclass(frozen=True)
+class LoadedScorer:
+    scorer: SpeculativeScorer
+    info: ModelInfo
+    runner: ModelRunner  # the target model's
+
+
+def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
+    """The target model loaded from `options`, scored by the method named `scoring`."""
     if scoring not in SCORING_METHODS:
         raise ValueError(f"scoring: must be one of {', '.join(SCORING_METHODS)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
     info = model_info_for(runner, options, fingerprint, role="scorer",
                           scoring_method=scoring.replace("-", "_"))
-    return SCORING_METHODS[scoring](ModelWorker(runner, "target")), info
+    return LoadedScorer(SCORING_METHODS[scoring](ModelWorker(runner, "target")), info, runner)
 
 
 class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceServicer):

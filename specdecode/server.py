@@ -1,6 +1,6 @@
 """What every specdecode gRPC server shares: options, health, reflection, error mapping,
-Prometheus endpoint, tracing of its calls, and a graceful shutdown on SIGTERM that really
-drains."""
+Prometheus endpoint, tracing of its calls, a graceful shutdown on SIGTERM that really
+drains, and `serve_deferred`, the body of each service's entry point."""
 
 from __future__ import annotations
 
@@ -287,3 +287,26 @@ class GrpcServer:
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+
+def _service_name(module) -> str:
+    (service,) = module.DESCRIPTOR.services_by_name.values()
+    return service.full_name
+
+
+async def serve_deferred(options: ServerOptions, service_module, add, servicer: Deferred,
+                         load: Callable[[], dict], start_traces: bool = False) -> None:
+    """Serve `servicer` (added to the server by `add`, the generated add_*_to_server) with
+    health NOT_SERVING while `load` runs (in a thread); attach what it returns, report
+    SERVING, and drain on SIGTERM. Only the public API starts traces; the proposer and
+    scorer continue their caller's."""
+    server = GrpcServer(options, [_service_name(service_module)], start_traces=start_traces)
+    add(servicer, server.server)
+    await server.start()
+    try:
+        servicer.attach(**await asyncio.to_thread(load))
+    except BaseException:
+        await server.server.stop(None)
+        raise
+    await server.set_serving()
+    await server.wait_for_termination()

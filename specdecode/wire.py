@@ -21,9 +21,10 @@ import torch
 from google.protobuf.message import Message
 
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
+from specdecode.model_info import ModelInfo
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
                                  SequenceData, SequenceGroupMetadata)
-from specdecode.v1 import sequence_pb2, speculative_pb2, tensor_pb2
+from specdecode.v1 import model_info_pb2, sequence_pb2, speculative_pb2, tensor_pb2
 
 # Wire dtype -> (torch dtype, little-endian numpy dtype of the raw elements).
 # bfloat16 has no numpy dtype: its 16 raw bits travel as int16.
@@ -288,6 +289,14 @@ def scores_from_proto(m: speculative_pb2.SpeculativeScores, field: str = "scores
             _check(t, f"{field}.{name}", _FLOATS, [b, positions, vocab], "B k+1 V")
             vocab = t.shape[2]
     return SpeculativeScores(probs=probs, logprobs=logprobs, token_ids=token_ids)
+
+
+def model_info_to_proto(info: ModelInfo) -> model_info_pb2.ModelInfo:
+    return model_info_pb2.ModelInfo(**vars(info))
+
+
+def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(**{f: getattr(m, f) for f in ModelInfo.__dataclass_fields__})
 
 
 def message_bytes(msg: Message) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.engine import Request, SpecDecodeEngine
-from orchestrator.inprocess import build_inprocess_engine
 from specdecode.model_runner import ModelRunner
-from specdecode.models import TinyModelSpec, build_tiny_model
 from specdecode.sequence import SamplingParams
 from specdecode.worker import ModelWorker
+from specdecode_stack.inprocess import build_inprocess_engine
 
 CPU = torch.device("cpu")
 TARGET = TinyModelSpec(seed=1)

@@ -24,11 +24,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate, build_request
-from orchestrator.stack import LocalStack, StackConfig, free_port, wait_serving
 from specdecode import wire
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
+from specdecode_stack.local import LocalStack, StackConfig, free_port, wait_process_serving
 
 PROMPT = [5, 17, 99, 3]
 MAX_TOKENS = 24
@@ -390,11 +390,11 @@ def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_di
 def serve_ngram_proposer(*flags: str, env: dict[str, str]) -> tuple[str, str]:
     """Run an n-gram proposer, send it one traced GetProposals, stop it: (stdout, stderr)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "proposer",
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode_stack.cli", "serve", "proposer",
                              "--port", str(port), *flags], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_serving(f"127.0.0.1:{port}", 120, proc)
+        wait_process_serving(f"127.0.0.1:{port}", 120, proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             group = SequenceGroupMetadata(
                 request_id="r", is_prompt=False, seq_data={0: SequenceData([1, 2, 3, 1, 2], [3])},
@@ -430,7 +430,7 @@ def test_no_otel_configuration_prints_no_spans_and_logs_json():
 def test_a_bad_otel_configuration_is_a_clear_startup_error():
     env = {**clean_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "proposer",
+    out = subprocess.run([sys.executable, "-m", "specdecode_stack.cli", "serve", "proposer",
                           "--port", str(free_port())], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from orchestrator.client import SpecDecodeClient
-from orchestrator.stack import LocalStack, StackConfig, free_port
+from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.conftest import reference_greedy
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42],
@@ -170,7 +170,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_model_dirs, target_model)
 
 
 def serve_orchestrator(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "orchestrator",
+    return subprocess.run([sys.executable, "-m", "specdecode_stack.cli", "serve", "orchestrator",
                            "--port", str(free_port()), "--tokenizer", "none", *args],
                           capture_output=True, text=True, timeout=120)
 
@@ -240,7 +240,7 @@ def test_cancelled_stream_frees_its_sequence_at_once(stack):
 def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
     """`specdecode up` prints the address, serves, and stops all three on Ctrl-C (SIGINT)."""
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "--target-model",
+    up = subprocess.Popen([sys.executable, "-m", "specdecode_stack.cli", "up", "--target-model",
                            tiny_model_dirs["target"], "--device", "cpu", "--port", str(port)],
                           stdout=subprocess.PIPE, text=True)
     try:

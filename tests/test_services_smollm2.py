@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from orchestrator.client import SpecDecodeClient
-from orchestrator.stack import LocalStack, StackConfig
 from specdecode.models import load_model, load_tokenizer
+from specdecode_stack.local import LocalStack, StackConfig
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is"]
 MAX_TOKENS = 24
@@ -57,7 +57,7 @@ def test_stop_string_cuts_text(smol_stack, reference):
 
 def test_cli_generate_json(smol_stack, reference):
     expected, _ = reference
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "generate", "--address",
+    out = subprocess.run([sys.executable, "-m", "specdecode_stack.cli", "generate", "--address",
                           smol_stack.address, "--max-tokens", str(MAX_TOKENS), "--json",
                           PROMPTS[1]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

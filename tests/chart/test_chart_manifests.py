@@ -142,7 +142,7 @@ def test_chart_flags_exist_in_the_real_cli():
     """The chart's flags and their fixed choices are options of `specdecode serve <component>`."""
     import click
 
-    from orchestrator.cli import serve
+    from specdecode_stack.cli import serve
     for component, flags in CLI_FLAGS.items():
         options = {o for p in serve.commands[component].params for o in p.opts}
         assert flags <= options, (component, flags - options)

@@ -19,10 +19,10 @@ from rich.console import Console
 
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
 from orchestrator.remote import ServiceUnreachableError
-from orchestrator.stack import LocalStack, StackConfig
+from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
-from specdecode.model_service import ModelOptions
+from specdecode.model_loading import ModelOptions
 from specdecode.server import ServerOptions
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
@@ -124,7 +124,7 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb) -> ServerOp
 def serve_proposer(model, device, dtype, max_model_len, trace_console, log_format,
                    **server) -> None:
     """The proposer service (draft model or n-gram)."""
-    from orchestrator.serve import serve_proposer as run
+    from proposer_svc.serve import serve_proposer as run
     _run_server("proposer", lambda: run(_server(**server),
                                         ModelOptions(model, device, dtype, max_model_len)),
                 trace_console, log_format)
@@ -140,7 +140,7 @@ def serve_proposer(model, device, dtype, max_model_len, trace_console, log_forma
 def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, log_format,
                  **server) -> None:
     """The scorer service (the target model)."""
-    from orchestrator.serve import serve_scorer as run
+    from scorer_svc.serve import serve_scorer as run
     _run_server("scorer", lambda: run(_server(**server),
                                       ModelOptions(model, device, dtype, max_model_len), scoring),
                 trace_console, log_format)

@@ -7,12 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdecode.health import wait_serving
 from specdecode.models import has_tokenizer
 
 
@@ -22,22 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Poll grpc.health.v1 until SERVING; RuntimeError if the process dies or time runs out."""
-    deadline = time.monotonic() + timeout_s
+def wait_process_serving(address: str, timeout_s: float,
+                         process: subprocess.Popen | None = None) -> None:
+    """Wait until the server at `address` reports SERVING; RuntimeError if its process dies
+    or time runs out."""
+    def check() -> None:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server for {address} exited with code {process.returncode}")
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"the server for {address} exited with code {process.returncode}")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+        if not wait_serving(channel, timeout_s, check):
+            raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
 
 
 @dataclass
@@ -73,7 +66,7 @@ class LocalStack:
         # 5x slower per step on 2 cores), so they sleep instead unless the caller says otherwise.
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
                "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
-        cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
                "--grace-seconds", str(self.config.grace_seconds),
                "--metrics-port", str(self.metrics_ports[role]), *args]
         if self.config.log_file is None:
@@ -94,14 +87,14 @@ class LocalStack:
                                  "--scoring", c.scoring, *model_args)
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
                                    "--model", c.draft_model, *model_args)
-            wait_serving(s_addr, timeout_s, scorer)
-            wait_serving(p_addr, timeout_s, proposer)
+            wait_process_serving(s_addr, timeout_s, scorer)
+            wait_process_serving(p_addr, timeout_s, proposer)
             orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
                                "--proposer", p_addr, "--scorer", s_addr,
                                "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
                                                               else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens))
-            wait_serving(self.address, timeout_s, orch)
+            wait_process_serving(self.address, timeout_s, orch)
         except BaseException:
             self.stop()
             raise

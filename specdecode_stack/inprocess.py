@@ -1,5 +1,6 @@
 """The engine with an in-process proposer and scorer (no services): for programs that embed
-specdecode, and for tests and benchmarks."""
+specdecode, and for tests and benchmarks. It composes the three packages through their
+public constructors, which is why it lives above them."""
 
 from __future__ import annotations
 

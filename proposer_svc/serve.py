@@ -1,0 +1,25 @@
+"""The proposer's entry point (what `specdecode serve proposer` runs)."""
+
+from __future__ import annotations
+
+import logging
+
+from proposer_svc.servicer import ProposerServicer, build_proposer
+from specdecode.model_loading import ModelOptions
+from specdecode.model_metrics import export_runner_metrics
+from specdecode.server import ServerOptions, serve_deferred
+from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def serve_proposer(options: ServerOptions, model: ModelOptions) -> None:
+    def load():
+        loaded = build_proposer(model)
+        if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
+            export_runner_metrics(loaded.runner, "proposer")
+        log.info("proposer ready: %s", loaded.info)
+        return {"proposer": loaded.proposer, "info": loaded.info}
+    await serve_deferred(options, proposer_service_pb2,
+                         proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
+                         ProposerServicer(), load)

@@ -1,0 +1,24 @@
+"""The scorer's entry point (what `specdecode serve scorer` runs)."""
+
+from __future__ import annotations
+
+import logging
+
+from scorer_svc.servicer import ScorerServicer, build_scorer
+from specdecode.model_loading import ModelOptions
+from specdecode.model_metrics import export_runner_metrics
+from specdecode.server import ServerOptions, serve_deferred
+from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str) -> None:
+    def load():
+        loaded = build_scorer(model, scoring)
+        export_runner_metrics(loaded.runner, "scorer")
+        log.info("scorer ready: %s", loaded.info)
+        return {"scorer": loaded.scorer, "info": loaded.info}
+    await serve_deferred(options, scorer_service_pb2,
+                         scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
+                         ScorerServicer(), load)

@@ -1,0 +1,45 @@
+"""A served model: loaded from command-line options into a ModelRunner, and described as a
+ModelInfo (what GetModelInfo answers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.device import resolve_device, resolve_dtype
+from specdecode.model_info import ModelInfo
+from specdecode.model_runner import ModelRunner
+from specdecode.models import (default_model_path, has_tokenizer, load_model, load_tokenizer,
+                               resolve_model_dir, tokenizer_fingerprint, vocab_fingerprint)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: str | None  # directory, .gguf file, None = the default model
+    device: str = "auto"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+
+
+def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
+    """The model runner and the tokenizer fingerprint (vocabulary-only when the model
+    directory has no tokenizer, as with test models)."""
+    device = resolve_device(options.device)
+    model_dir = resolve_model_dir(options.model)
+    model = load_model(model_dir, device, resolve_dtype(options.dtype))
+    runner = ModelRunner(model, device, options.max_model_len)
+    if has_tokenizer(model_dir):
+        fingerprint = tokenizer_fingerprint(load_tokenizer(model_dir))
+    else:
+        fingerprint = vocab_fingerprint(runner.vocab_size)
+    return runner, fingerprint
+
+
+def model_info_for(runner: ModelRunner, options: ModelOptions, fingerprint: str, role: str,
+                   scoring_method: str = "") -> ModelInfo:
+    name = Path(options.model).name if options.model not in (None, "", "default") else \
+        default_model_path().name
+    return ModelInfo(model_name=name, vocab_size=runner.vocab_size,
+                     tokenizer_fingerprint=fingerprint, max_model_len=runner.max_model_len,
+                     device=str(runner.device), dtype=str(runner.model.dtype).removeprefix("torch."),
+                     role=role, scoring_method=scoring_method)

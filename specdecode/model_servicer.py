@@ -1,0 +1,56 @@
+"""What the proposer and scorer servicers share: GetModelInfo, ReleaseSequences, one model
+call at a time, and decoding a step's request against the served model."""
+
+from __future__ import annotations
+
+import asyncio
+
+from specdecode import wire
+from specdecode.model_info import ModelInfo
+from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
+from specdecode.server import Deferred, map_errors
+from specdecode.v1 import model_info_pb2
+
+
+class ModelAccess:
+    """One model call at a time, off the event loop."""
+
+    def __init__(self):
+        self._lock = asyncio.Lock()
+
+    async def run(self, fn, *args):
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args)
+
+
+class ModelServicer(Deferred):
+    """What the proposer and scorer servicers share: GetModelInfo, ReleaseSequences, and one
+    model call at a time. Serves after attach(info=ModelInfo, <role>=its proposer/scorer)."""
+
+    info: ModelInfo
+
+    def __init__(self):
+        self.model = ModelAccess()
+
+    def _core(self):
+        """The proposer or scorer this servicer fronts."""
+        raise NotImplementedError
+
+    @map_errors
+    async def GetModelInfo(self, request, context):
+        return wire.model_info_to_proto(self.info)
+
+    @map_errors
+    async def ReleaseSequences(self, request, context):
+        released = await self.model.run(self._core().release_sequences, list(request.seq_ids))
+        return model_info_pb2.ReleaseSequencesResponse(released=released)
+
+
+def decode_request(m, info: ModelInfo) -> ExecuteModelRequest:
+    """Decode and validate the step's batch against this service's model."""
+    req = wire.request_from_proto(m, field="request")
+    try:
+        req.validate(info.vocab_size, info.max_model_len)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"request.{exc.field}", exc.detail) from None
+    return req
