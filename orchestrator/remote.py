@@ -66,10 +66,6 @@ class _RequestEncoding:
 _encode_request = _RequestEncoding()  # used from the engine thread only
 
 
-def _any_sampled(req: ExecuteModelRequest) -> bool:
-    return any(not sg.sampling_params.greedy for sg in req.seq_group_metadata_list)
-
-
 class _Remote:
     service = ""  # the full gRPC service name
 
@@ -122,8 +118,7 @@ class RemoteProposer(_Remote, SpeculativeProposer):
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         request = proposer_service_pb2.GetProposalsRequest(
-            request=_encode_request(execute_model_req),
-            want_probs=_any_sampled(execute_model_req))
+            request=_encode_request(execute_model_req))
         response = self._call("GetProposals", request)
         return wire.proposals_from_proto(response.proposals, "proposals",
                                          batch_size=len(execute_model_req.seq_group_metadata_list))
@@ -136,12 +131,10 @@ class RemoteScorer(_Remote, SpeculativeScorer):
         super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s, address)
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals,
-                        want_logprobs: bool = False) -> SpeculativeScores:
+                        proposals: SpeculativeProposals) -> SpeculativeScores:
         request = scorer_service_pb2.ScoreProposalsRequest(
             request=_encode_request(execute_model_req),
-            proposals=wire.proposals_to_proto(proposals),
-            want_probs=_any_sampled(execute_model_req), want_logprobs=want_logprobs)
+            proposals=wire.proposals_to_proto(proposals))
         response = self._call("ScoreProposals", request)
         return wire.scores_from_proto(response.scores, "scores",
                                       batch_size=len(execute_model_req.seq_group_metadata_list),

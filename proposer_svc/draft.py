@@ -11,7 +11,7 @@ import torch
 
 from proposer_svc.common import pack_proposals, speculation_len
 from specdecode import tracing
-from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer
+from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer, wants_probs
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
 
@@ -24,7 +24,7 @@ class DraftModelProposer(SpeculativeProposer):
         groups = execute_model_req.seq_group_metadata_list
         k = execute_model_req.num_lookahead_slots
         k_seq = [speculation_len(sg, k, self.worker.max_model_len) for sg in groups]  # [B]
-        want_probs = any(not sg.sampling_params.greedy for sg in groups)
+        want_probs = wants_probs(groups)
         drafted: list[list[int]] = [[] for _ in groups]
         probs = torch.zeros(len(groups), k, self.worker.vocab_size) if want_probs else None
         for step in range(max(k_seq, default=0)):

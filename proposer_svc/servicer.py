@@ -49,8 +49,6 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
     async def GetProposals(self, request, context):
         req = decode_request(request.request, self._request_limits())
         proposals = await self.model.run(self.proposer.get_proposals, req)
-        if not request.want_probs:
-            proposals.proposal_probs = None
         return proposer_service_pb2.GetProposalsResponse(
             proposals=wire.proposals_to_proto(proposals))
 

@@ -17,7 +17,7 @@ import torch
 
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
-                                   wants_logprobs)
+                                   wants_logprobs, wants_probs)
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from specdecode.worker import ModelWorker
 
@@ -86,16 +86,15 @@ class BatchExpansionTop1Scorer(SpeculativeScorer):
         self.worker = worker
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals,
-                        want_logprobs: bool = False) -> SpeculativeScores:
+                        proposals: SpeculativeProposals) -> SpeculativeScores:
         groups = execute_model_req.seq_group_metadata_list
         with tracing.child_span("batch_expansion.expand",
                                   {"specdecode.batch_size": len(groups)}) as span:
             batch = expand_batch(execute_model_req, proposals)
             tracing.set_attributes(span, {"specdecode.expanded_rows": len(batch.target_groups),
                                             "specdecode.spec_sequences": len(batch.spec_indices)})
-        want_probs = any(not sg.sampling_params.greedy for sg in groups)
-        want_logprobs = want_logprobs or wants_logprobs(groups)
+        want_probs = wants_probs(groups)
+        want_logprobs = wants_logprobs(groups)
         with tracing.child_span("target_model.forward",
                                   {"specdecode.batch_size": len(batch.target_groups)}):
             out = self.worker.execute_model(execute_model_req.clone(batch.target_groups),

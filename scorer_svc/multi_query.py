@@ -9,7 +9,7 @@ import torch
 from scorer_svc.batch_expansion import scatter_scores
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
-                                   wants_logprobs)
+                                   wants_logprobs, wants_probs)
 from specdecode.sequence import ExecuteModelRequest
 from specdecode.worker import ModelWorker
 
@@ -19,15 +19,14 @@ class MultiQueryScorer(SpeculativeScorer):
         self.worker = worker
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals,
-                        want_logprobs: bool = False) -> SpeculativeScores:
+                        proposals: SpeculativeProposals) -> SpeculativeScores:
         groups = execute_model_req.seq_group_metadata_list
         with tracing.child_span("multi_query.extend", {"specdecode.batch_size": len(groups)}):
             lens = proposals.proposal_lens.tolist()  # [B]
             token_ids = proposals.proposal_token_ids.tolist()  # [B, k]
             extended = [sg.with_appended(token_ids[i][:lens[i]]) for i, sg in enumerate(groups)]
-        want_probs = any(not sg.sampling_params.greedy for sg in groups)
-        want_logprobs = want_logprobs or wants_logprobs(groups)
+        want_probs = wants_probs(groups)
+        want_logprobs = wants_logprobs(groups)
         with tracing.child_span("target_model.forward", {
                 "specdecode.batch_size": len(groups), "specdecode.query_rows": sum(lens) + len(lens)}):
             out = self.worker.score_rows(extended, [n + 1 for n in lens], want_probs, want_logprobs)

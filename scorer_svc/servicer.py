@@ -55,12 +55,8 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
         if ((ids < -1) | (ids >= self.info.vocab_size)).any():
             raise InvalidRequestError("proposals.proposal_token_ids",
                                       f"ids outside the vocabulary [0, {self.info.vocab_size})")
-        scores = await self.model.run(self.scorer.score_proposals, req, proposals,
-                                      request.want_logprobs)
-        if not request.want_probs:
-            scores.probs = None
+        scores = await self.model.run(self.scorer.score_proposals, req, proposals)
         if scores.logprobs is not None:  # rows nobody asked for travel as zeros (sparse)
-            asked = [sg.sampling_params.logprobs is not None or request.want_logprobs
-                     for sg in req.seq_group_metadata_list]
+            asked = [sg.sampling_params.logprobs is not None for sg in req.seq_group_metadata_list]
             scores.logprobs[[i for i, a in enumerate(asked) if not a]] = 0.0
         return scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))

@@ -45,6 +45,12 @@ class SpeculativeScores:
         return f"SpeculativeScores(probs={probs}, token_ids={tuple(self.token_ids.shape)})"
 
 
+def wants_probs(groups: list[SequenceGroupMetadata]) -> bool:
+    """Whether proposers and scorers return probabilities: some sequence of the batch
+    samples (greedy verification needs token ids only)."""
+    return any(not sg.sampling_params.greedy for sg in groups)
+
+
 def wants_logprobs(groups: list[SequenceGroupMetadata]) -> bool:
     """Whether a scorer returns logprobs: some sequence of the batch asked for them."""
     return any(sg.sampling_params.logprobs is not None for sg in groups)
@@ -64,10 +70,9 @@ class SpeculativeProposer(ABC):
 class SpeculativeScorer(ABC):
     @abstractmethod
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals,
-                        want_logprobs: bool = False) -> SpeculativeScores:
-        """Probabilities are returned when any sequence samples; logprobs when asked, or
-        when some sequence's sampling params ask for them (`wants_logprobs`)."""
+                        proposals: SpeculativeProposals) -> SpeculativeScores:
+        """Probabilities are returned when any sequence samples; logprobs when some
+        sequence's sampling params ask for them (`wants_logprobs`)."""
         raise NotImplementedError
 
     def release_sequences(self, seq_ids: list[int]) -> int:

@@ -193,12 +193,13 @@ def sequence_data_from_proto(m: sequence_pb2.SequenceData) -> SequenceData:
 
 def sequence_group_metadata_to_proto(
         sg: SequenceGroupMetadata) -> sequence_pb2.SequenceGroupMetadata:
-    """Encode one sequence group (cache_id / num_speculative_tokens None = unset)."""
+    """Encode one sequence group (num_speculative_tokens None = unset). `cache_id` stays
+    behind: it is a scorer-internal detail of batch expansion."""
     return sequence_pb2.SequenceGroupMetadata(
         request_id=sg.request_id, is_prompt=sg.is_prompt,
         seq_data={sid: sequence_data_to_proto(d) for sid, d in sg.seq_data.items()},
         sampling_params=sampling_params_to_proto(sg.sampling_params),
-        cache_id=sg.cache_id, num_speculative_tokens=sg.num_speculative_tokens)
+        num_speculative_tokens=sg.num_speculative_tokens)
 
 
 def sequence_group_metadata_from_proto(m: sequence_pb2.SequenceGroupMetadata,
@@ -211,7 +212,6 @@ def sequence_group_metadata_from_proto(m: sequence_pb2.SequenceGroupMetadata,
         request_id=m.request_id, is_prompt=m.is_prompt,
         seq_data={sid: sequence_data_from_proto(d) for sid, d in m.seq_data.items()},
         sampling_params=sampling_params_from_proto(m.sampling_params),
-        cache_id=m.cache_id if m.HasField("cache_id") else None,
         num_speculative_tokens=(m.num_speculative_tokens
                                 if m.HasField("num_speculative_tokens") else None))
 

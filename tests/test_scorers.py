@@ -50,11 +50,12 @@ def test_expansion_ids_order_and_tokens():
 
 
 def test_contraction_places_rows(target_model):
-    groups = [group(0, [1, 2, 3], [4]), group(1, [9, 9], []), group(2, [5], [6, 7])]
+    greedy_logprobs = SamplingParams(logprobs=0)
+    groups = [group(0, [1, 2, 3], [4], greedy_logprobs), group(1, [9, 9], [], greedy_logprobs),
+              group(2, [5], [6, 7], greedy_logprobs)]
     req = ExecuteModelRequest(groups, num_lookahead_slots=3)
     props = proposals([[10, 11, 12], [], [13]], 3)
-    scores = BatchExpansionTop1Scorer(worker(target_model, "target")).score_proposals(
-        req, props, want_logprobs=True)
+    scores = BatchExpansionTop1Scorer(worker(target_model, "target")).score_proposals(req, props)
     assert scores.token_ids.shape == (3, 4)
     assert scores.probs is None  # greedy batch: token ids are all verification needs
     tid = scores.token_ids
@@ -75,15 +76,13 @@ def test_contraction_places_rows(target_model):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_batch_expansion_equals_multi_query(target_model, temperature):
-    params = SamplingParams(temperature=temperature, top_k=50, top_p=0.9, seed=7)
+    params = SamplingParams(temperature=temperature, top_k=50, top_p=0.9, seed=7, logprobs=0)
     groups = [group(0, [1, 2, 3], [4], params), group(1, [9, 9], [], params),
               group(2, [5], [6, 7], params), group(3, [8, 8, 8, 8], [1], params)]
     req = ExecuteModelRequest(groups, num_lookahead_slots=4)
     props = proposals([[10, 11, 12, 13], [], [13], [2, 3]], 4)
-    be = BatchExpansionTop1Scorer(worker(target_model, "target")).score_proposals(
-        req, props, want_logprobs=True)
-    mq = MultiQueryScorer(worker(target_model, "target")).score_proposals(
-        req, props, want_logprobs=True)
+    be = BatchExpansionTop1Scorer(worker(target_model, "target")).score_proposals(req, props)
+    mq = MultiQueryScorer(worker(target_model, "target")).score_proposals(req, props)
     assert torch.equal(be.token_ids, mq.token_ids)
     assert torch.allclose(be.logprobs.nan_to_num(neginf=-1e9), mq.logprobs.nan_to_num(neginf=-1e9),
                           atol=1e-4)

@@ -9,8 +9,8 @@ from specdecode import wire
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
                                  SequenceData, SequenceGroupMetadata)
-from specdecode.v1 import (proposer_service_pb2, scorer_service_pb2, speculative_pb2,
-                           tensor_pb2)
+from specdecode.v1 import (proposer_service_pb2, scorer_service_pb2, sequence_pb2,
+                           speculative_pb2, tensor_pb2)
 
 DTYPES = [torch.float32, torch.int64, torch.bfloat16, torch.float16, torch.int32]
 
@@ -107,11 +107,11 @@ def make_request() -> ExecuteModelRequest:
             seq_data={7: SequenceData([5, 6], [9, 10, 11])},
             sampling_params=SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=-12345,
                                            max_tokens=128, stop_token_ids=(2, 0)),
-            cache_id=3, num_speculative_tokens=0),
+            num_speculative_tokens=0),
         SequenceGroupMetadata(
             request_id="", is_prompt=False, seq_data={2**40: SequenceData([0], [151_935])},
             sampling_params=SamplingParams(temperature=1e-3, seed=0),
-            cache_id=0, num_speculative_tokens=5),
+            num_speculative_tokens=5),
     ]
     return ExecuteModelRequest(groups, num_lookahead_slots=4)
 
@@ -122,18 +122,30 @@ def test_request_roundtrip() -> None:
     back = wire.request_from_proto(type(m).FromString(m.SerializeToString()))
     assert back == req
     assert back.seq_group_metadata_list[1].sampling_params.stop_token_ids == (2, 0)
-    assert back.seq_group_metadata_list[0].cache_id is None
     assert back.seq_group_metadata_list[0].sampling_params.seed is None
     assert back.seq_group_metadata_list[1].num_speculative_tokens == 0  # 0 is not "unset"
 
 
 def test_request_optional_fields_are_unset_on_the_wire() -> None:
     g0, g1, g2 = wire.request_to_proto(make_request()).seq_group_metadata_list
-    assert not g0.HasField("cache_id") and not g0.HasField("num_speculative_tokens")
+    assert not g0.HasField("num_speculative_tokens")
     assert not g0.sampling_params.HasField("seed")
     assert g1.HasField("num_speculative_tokens") and g1.num_speculative_tokens == 0
-    assert g2.HasField("cache_id") and g2.cache_id == 0
     assert g2.sampling_params.HasField("seed") and g2.sampling_params.seed == 0
+
+
+def test_derived_and_internal_fields_stay_off_the_wire() -> None:
+    """cache_id is the scorer's own (batch expansion); want_probs / want_logprobs follow
+    from the sampling params the request already carries."""
+    group = make_request().seq_group_metadata_list[1]
+    expanded = group.with_appended([4], seq_id=99, cache_id=7)
+    back = wire.sequence_group_metadata_from_proto(
+        wire.sequence_group_metadata_to_proto(expanded))
+    assert expanded.kv_cache_id == 7 and back.kv_cache_id == 99
+    fields = {m: {f.name for f in m.DESCRIPTOR.fields} for m in (
+        sequence_pb2.SequenceGroupMetadata, proposer_service_pb2.GetProposalsRequest,
+        scorer_service_pb2.ScoreProposalsRequest)}
+    assert not {"cache_id", "want_probs", "want_logprobs"} & set().union(*fields.values())
 
 
 def test_several_sequences_in_one_group_survive_for_validate_to_reject() -> None:
@@ -219,13 +231,10 @@ def test_empty_batch_roundtrips() -> None:
 def test_rpc_messages_carry_the_codec_output() -> None:
     req, p = make_request(), make_proposals(True)
     msg = scorer_service_pb2.ScoreProposalsRequest(
-        request=wire.request_to_proto(req), proposals=wire.proposals_to_proto(p),
-        want_probs=True)
+        request=wire.request_to_proto(req), proposals=wire.proposals_to_proto(p))
     parsed = scorer_service_pb2.ScoreProposalsRequest.FromString(msg.SerializeToString())
     assert wire.request_from_proto(parsed.request) == req
     assert_proposals_equal(p, wire.proposals_from_proto(parsed.proposals, batch_size=3))
-    gp = proposer_service_pb2.GetProposalsRequest(request=wire.request_to_proto(req))
-    assert not gp.want_probs
     assert wire.message_bytes(msg) == len(msg.SerializeToString())
 
 

@@ -27,7 +27,7 @@ from specdecode.v1 import sequence_pb2 as specdecode_dot_v1_dot_sequence__pb2
 from specdecode.v1 import speculative_pb2 as specdecode_dot_v1_dot_speculative__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specdecode/v1/proposer_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\x1a\x1cspecdecode/v1/sequence.proto\x1a\x1fspecdecode/v1/speculative.proto\"^\n\x13GetProposalsRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".specdecode.v1.ExecuteModelRequest\x12\x12\n\nwant_probs\x18\x02 \x01(\x08\"\x80\x01\n\x14GetProposalsResponse\x12\x36\n\tproposals\x18\x01 \x01(\x0b\x32#.specdecode.v1.SpeculativeProposals\x12\x17\n\x0fmissing_seq_ids\x18\x02 \x03(\x03\x12\x17\n\x0fservice_seconds\x18\x03 \x01(\x01\x32\x9d\x02\n\x0fProposerService\x12W\n\x0cGetProposals\x12\".specdecode.v1.GetProposalsRequest\x1a#.specdecode.v1.GetProposalsResponse\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfo\x12\x63\n\x10ReleaseSequences\x12&.specdecode.v1.ReleaseSequencesRequest\x1a\'.specdecode.v1.ReleaseSequencesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specdecode/v1/proposer_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\x1a\x1cspecdecode/v1/sequence.proto\x1a\x1fspecdecode/v1/speculative.proto\"\\\n\x13GetProposalsRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".specdecode.v1.ExecuteModelRequestJ\x04\x08\x02\x10\x03R\nwant_probs\"\x80\x01\n\x14GetProposalsResponse\x12\x36\n\tproposals\x18\x01 \x01(\x0b\x32#.specdecode.v1.SpeculativeProposals\x12\x17\n\x0fmissing_seq_ids\x18\x02 \x03(\x03\x12\x17\n\x0fservice_seconds\x18\x03 \x01(\x01\x32\x9d\x02\n\x0fProposerService\x12W\n\x0cGetProposals\x12\".specdecode.v1.GetProposalsRequest\x1a#.specdecode.v1.GetProposalsResponse\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfo\x12\x63\n\x10ReleaseSequences\x12&.specdecode.v1.ReleaseSequencesRequest\x1a\'.specdecode.v1.ReleaseSequencesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdecode.v1.proposer_serv
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETPROPOSALSREQUEST']._serialized_start=150
-  _globals['_GETPROPOSALSREQUEST']._serialized_end=244
-  _globals['_GETPROPOSALSRESPONSE']._serialized_start=247
-  _globals['_GETPROPOSALSRESPONSE']._serialized_end=375
-  _globals['_PROPOSERSERVICE']._serialized_start=378
-  _globals['_PROPOSERSERVICE']._serialized_end=663
+  _globals['_GETPROPOSALSREQUEST']._serialized_end=242
+  _globals['_GETPROPOSALSRESPONSE']._serialized_start=245
+  _globals['_GETPROPOSALSRESPONSE']._serialized_end=373
+  _globals['_PROPOSERSERVICE']._serialized_start=376
+  _globals['_PROPOSERSERVICE']._serialized_end=661
 # @@protoc_insertion_point(module_scope)

@@ -27,11 +27,6 @@ class GetProposalsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_FIELD_NUMBER: _builtins.int
-    WANT_PROBS_FIELD_NUMBER: _builtins.int
-    want_probs: _builtins.bool
-    """Return the draft probabilities (`proposal_probs`). Set when any sequence samples;
-    greedy verification needs the token ids only.
-    """
     @_builtins.property
     def request(self) -> _sequence_pb2.ExecuteModelRequest:
         """The step's batch; each sequence carries its full token ids or, in the delta form,
@@ -42,11 +37,10 @@ class GetProposalsRequest(_message.Message):
         self,
         *,
         request: _sequence_pb2.ExecuteModelRequest | None = ...,
-        want_probs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "want_probs", b"want_probs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,7 +27,7 @@ from specdecode.v1 import sequence_pb2 as specdecode_dot_v1_dot_sequence__pb2
 from specdecode.v1 import speculative_pb2 as specdecode_dot_v1_dot_speculative__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specdecode/v1/scorer_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\x1a\x1cspecdecode/v1/sequence.proto\x1a\x1fspecdecode/v1/speculative.proto\"\xaf\x01\n\x15ScoreProposalsRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".specdecode.v1.ExecuteModelRequest\x12\x36\n\tproposals\x18\x02 \x01(\x0b\x32#.specdecode.v1.SpeculativeProposals\x12\x12\n\nwant_probs\x18\x03 \x01(\x08\x12\x15\n\rwant_logprobs\x18\x04 \x01(\x08\"|\n\x16ScoreProposalsResponse\x12\x30\n\x06scores\x18\x01 \x01(\x0b\x32 .specdecode.v1.SpeculativeScores\x12\x17\n\x0fmissing_seq_ids\x18\x02 \x03(\x03\x12\x17\n\x0fservice_seconds\x18\x03 \x01(\x01\x32\xa1\x02\n\rScorerService\x12]\n\x0eScoreProposals\x12$.specdecode.v1.ScoreProposalsRequest\x1a%.specdecode.v1.ScoreProposalsResponse\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfo\x12\x63\n\x10ReleaseSequences\x12&.specdecode.v1.ReleaseSequencesRequest\x1a\'.specdecode.v1.ReleaseSequencesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specdecode/v1/scorer_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\x1a\x1cspecdecode/v1/sequence.proto\x1a\x1fspecdecode/v1/speculative.proto\"\xab\x01\n\x15ScoreProposalsRequest\x12\x33\n\x07request\x18\x01 \x01(\x0b\x32\".specdecode.v1.ExecuteModelRequest\x12\x36\n\tproposals\x18\x02 \x01(\x0b\x32#.specdecode.v1.SpeculativeProposalsJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\nwant_probsR\rwant_logprobs\"|\n\x16ScoreProposalsResponse\x12\x30\n\x06scores\x18\x01 \x01(\x0b\x32 .specdecode.v1.SpeculativeScores\x12\x17\n\x0fmissing_seq_ids\x18\x02 \x03(\x03\x12\x17\n\x0fservice_seconds\x18\x03 \x01(\x01\x32\xa1\x02\n\rScorerService\x12]\n\x0eScoreProposals\x12$.specdecode.v1.ScoreProposalsRequest\x1a%.specdecode.v1.ScoreProposalsResponse\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfo\x12\x63\n\x10ReleaseSequences\x12&.specdecode.v1.ReleaseSequencesRequest\x1a\'.specdecode.v1.ReleaseSequencesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdecode.v1.scorer_servic
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREPROPOSALSREQUEST']._serialized_start=149
-  _globals['_SCOREPROPOSALSREQUEST']._serialized_end=324
-  _globals['_SCOREPROPOSALSRESPONSE']._serialized_start=326
-  _globals['_SCOREPROPOSALSRESPONSE']._serialized_end=450
-  _globals['_SCORERSERVICE']._serialized_start=453
-  _globals['_SCORERSERVICE']._serialized_end=742
+  _globals['_SCOREPROPOSALSREQUEST']._serialized_end=320
+  _globals['_SCOREPROPOSALSRESPONSE']._serialized_start=322
+  _globals['_SCOREPROPOSALSRESPONSE']._serialized_end=446
+  _globals['_SCORERSERVICE']._serialized_start=449
+  _globals['_SCORERSERVICE']._serialized_end=738
 # @@protoc_insertion_point(module_scope)

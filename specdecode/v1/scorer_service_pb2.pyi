@@ -28,14 +28,6 @@ class ScoreProposalsRequest(_message.Message):
 
     REQUEST_FIELD_NUMBER: _builtins.int
     PROPOSALS_FIELD_NUMBER: _builtins.int
-    WANT_PROBS_FIELD_NUMBER: _builtins.int
-    WANT_LOGPROBS_FIELD_NUMBER: _builtins.int
-    want_probs: _builtins.bool
-    """Return the target probabilities (`scores.probs`). Set when any sequence samples."""
-    want_logprobs: _builtins.bool
-    """Return the target log-probabilities (`scores.logprobs`). Set when a client asked for
-    logprobs.
-    """
     @_builtins.property
     def request(self) -> _sequence_pb2.ExecuteModelRequest:
         """The step's batch; each sequence carries its full token ids or, in the delta form,
@@ -53,12 +45,10 @@ class ScoreProposalsRequest(_message.Message):
         *,
         request: _sequence_pb2.ExecuteModelRequest | None = ...,
         proposals: _speculative_pb2.SpeculativeProposals | None = ...,
-        want_probs: _builtins.bool = ...,
-        want_logprobs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["proposals", b"proposals", "request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["proposals", b"proposals", "request", b"request", "want_logprobs", b"want_logprobs", "want_probs", b"want_probs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proposals", b"proposals", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -242,16 +242,11 @@ class SequenceGroupMetadata(_message.Message):
     IS_PROMPT_FIELD_NUMBER: _builtins.int
     SEQ_DATA_FIELD_NUMBER: _builtins.int
     SAMPLING_PARAMS_FIELD_NUMBER: _builtins.int
-    CACHE_ID_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The id of the client request this sequence belongs to."""
     is_prompt: _builtins.bool
     """True until the sequence has its first generated token."""
-    cache_id: _builtins.int
-    """Sequence id whose KV cache this sequence may read (an expanded target sequence reads
-    its parent's cache); unset = its own sequence id.
-    """
     num_speculative_tokens: _builtins.int
     """Speculation length for this sequence; unset = the request's `num_lookahead_slots`."""
     @_builtins.property
@@ -271,20 +266,14 @@ class SequenceGroupMetadata(_message.Message):
         is_prompt: _builtins.bool = ...,
         seq_data: _abc.Mapping[_builtins.int, Global___SequenceData] | None = ...,
         sampling_params: Global___SamplingParams | None = ...,
-        cache_id: _builtins.int | None = ...,
         num_speculative_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_id", b"_cache_id", "_num_speculative_tokens", b"_num_speculative_tokens", "cache_id", b"cache_id", "num_speculative_tokens", b"num_speculative_tokens", "sampling_params", b"sampling_params"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "num_speculative_tokens", b"num_speculative_tokens", "sampling_params", b"sampling_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_id", b"_cache_id", "_num_speculative_tokens", b"_num_speculative_tokens", "cache_id", b"cache_id", "is_prompt", b"is_prompt", "num_speculative_tokens", b"num_speculative_tokens", "request_id", b"request_id", "sampling_params", b"sampling_params", "seq_data", b"seq_data"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "is_prompt", b"is_prompt", "num_speculative_tokens", b"num_speculative_tokens", "request_id", b"request_id", "sampling_params", b"sampling_params", "seq_data", b"seq_data"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__cache_id: _TypeAlias = _typing.Literal["cache_id"]  # noqa: Y015
-    _WhichOneofArgType__cache_id: _TypeAlias = _typing.Literal["_cache_id", b"_cache_id"]  # noqa: Y015
     _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_id) -> _WhichOneofReturnType__cache_id | None: ...
-    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
 
 Global___SequenceGroupMetadata: _TypeAlias = SequenceGroupMetadata  # noqa: Y015

@@ -83,8 +83,8 @@ class SpeculativeScores(_message.Message):
     def logprobs(self) -> _tensor_pb2.Tensor:
         """[B, k+1, V] float target log-probabilities (the model's own, before any sampling
         control); -inf where not scored. Unset unless some sequence's sampling params set
-        `logprobs` (or `want_logprobs`); rows of sequences that did not ask may be all zero
-        (they then travel sparse).
+        `logprobs`; rows of sequences that did not ask may be all zero (they then travel
+        sparse).
         """
 
     @_builtins.property
