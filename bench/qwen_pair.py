@@ -1,5 +1,5 @@
 """A real draft/target pair: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct
-(same tokenizer), both Q4_K_M GGUFs shipped as chunk files in pip packages (DESIGN.md, Models).
+(same tokenizer), both Q4_K_M GGUFs shipped as chunk files in pip packages (docs/design.md, Models).
 
     python bench/qwen_pair.py [--dtype bfloat16] [--max-tokens 48] [--repeats 1]
 

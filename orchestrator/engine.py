@@ -41,11 +41,13 @@ class Request:
 
 @dataclass
 class RequestStats:
-    """Per-request usage. accepted_tokens has the seed's meaning (every draft token that
-    passed verification, even after an earlier rejection)."""
+    """Per-request usage. accepted_tokens counts the draft tokens the request received (each
+    speculative step's accepted prefix), so accepted_tokens <= emitted_tokens - speculative
+    steps. (The step metrics also count, as vLLM 0.4.2 does, draft tokens that passed the
+    accept test after an earlier rejection: StepStats.accepted_tokens.)"""
 
     draft_tokens: int = 0
-    accepted_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens emitted: the accepted prefixes
     emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted prefix + 1)
     steps: int = 0
 
@@ -103,14 +105,19 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], n: int) -> list
 
 @dataclass
 class StepStats:
-    """One step, for metrics and traces."""
+    """One step, for metrics and traces: the one place acceptance is counted (the Prometheus
+    metrics and vLLM 0.4.2's collector both read it, see orchestrator.metrics)."""
 
     batch_size: int = 0
     k: int = 0
     draft_tokens: int = 0
+    # Draft tokens that passed the accept test, even after an earlier rejection in their row
+    # (vLLM 0.4.2's accepted_tokens: an alignment measure; may exceed what was emitted).
     accepted_tokens: int = 0
-    emitted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted prefix + 1, summed over speculating sequences
     spec_sequences: int = 0
+    # [k]: how many sequences emitted draft position j as an accepted token.
+    accepted_by_position: list[int] = field(default_factory=list)
     new_tokens: int = 0  # tokens appended to outputs (after stop rules)
     finished: int = 0  # sequences that finished this step
     propose_s: float = 0.0
@@ -124,8 +131,8 @@ class StepStats:
 def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
            proposals: SpeculativeProposals,
            scores: SpeculativeScores) -> tuple[list[list[int]], list[int]]:
-    """Tokens each sequence emits this step, and how many of its draft tokens passed
-    verification (the seed's accepted count; 0 for non-speculating sequences)."""
+    """Tokens each sequence emits this step, and how many of its draft tokens passed the
+    accept test (vLLM 0.4.2's accepted count; 0 for non-speculating sequences)."""
     groups = req.seq_group_metadata_list
     lens = proposals.proposal_lens  # [B]
     emitted: list[list[int]] = [[int(scores.token_ids[i, 0])] for i in range(len(groups))]
@@ -134,8 +141,9 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
     sampled = [i for i, sg in enumerate(groups) if lens[i] > 0 and not sg.sampling_params.greedy]
     k = req.num_lookahead_slots
     if greedy:
-        out = sampler.greedy(scores.token_ids[greedy], proposals.proposal_token_ids[greedy])
-        for i, row, n in zip(greedy, out.tolist(), sampler.last_accepted_counts.tolist()):
+        out, passed = sampler.greedy(scores.token_ids[greedy],
+                                     proposals.proposal_token_ids[greedy])
+        for i, row, n in zip(greedy, out.tolist(), passed.tolist()):
             emitted[i], accepted[i] = [t for t in row if t != -1], n
     if sampled:
         rows = torch.tensor(sampled)
@@ -143,9 +151,9 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
         gens = [step_generator(groups[i].sampling_params, groups[i].data.get_len(), "verify")
                 for i in sampled]
         draft_probs = None if proposals.proposal_probs is None else proposals.proposal_probs[rows]
-        out = sampler(scores.probs[rows, :k], bonus, draft_probs,
-                      proposals.proposal_token_ids[rows], generators=gens)
-        for i, row, n in zip(sampled, out.tolist(), sampler.last_accepted_counts.tolist()):
+        out, passed = sampler(scores.probs[rows, :k], bonus, draft_probs,
+                              proposals.proposal_token_ids[rows], generators=gens)
+        for i, row, n in zip(sampled, out.tolist(), passed.tolist()):
             emitted[i], accepted[i] = [t for t in row if t != -1], n
     return emitted, accepted
 
@@ -265,14 +273,18 @@ class SpecDecodeEngine:
         t_verified = time.perf_counter()
 
         stats = StepStats(batch_size=len(seqs), k=k, propose_s=t_proposed - start,
-                          score_s=t_scored - t_proposed, verify_s=t_verified - t_scored)
+                          score_s=t_scored - t_proposed, verify_s=t_verified - t_scored,
+                          accepted_by_position=[0] * k)
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(seqs, emitted)):
             n = int(proposals.proposal_lens[i])
             if n:
+                prefix = len(tokens) - 1  # draft tokens emitted
                 seq.stats.draft_tokens += n
-                seq.stats.accepted_tokens += accepted[i]
+                seq.stats.accepted_tokens += prefix
                 seq.stats.emitted_tokens += len(tokens)
+                for j in range(prefix):
+                    stats.accepted_by_position[j] += 1
                 stats.draft_tokens += n
                 stats.accepted_tokens += accepted[i]
                 stats.emitted_tokens += len(tokens)

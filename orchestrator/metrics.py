@@ -1,21 +1,22 @@
-"""Prometheus metrics of the orchestrator: the seed's acceptance metrics and serving metrics.
+"""Prometheus metrics of the orchestrator: vLLM 0.4.2's acceptance metrics and serving metrics.
 
-The acceptance gauges have the seed's meanings (draft_acceptance_rate = accepted / draft,
-system_efficiency = emitted / (speculated sequences x (k+1)), NaN when a denominator is 0),
-computed at scrape time from the counters beside them, so a scrape is always consistent.
-Every SPECDECODE_METRICS_LOG_INTERVAL seconds the seed's AsyncMetricsCollector also logs
-them. Labels are bounded: phase, direction, outcome, position <= 16. No request ids.
+Everything here is fed by the engine's step stats (orchestrator.engine.StepStats), the one
+place acceptance is counted. The acceptance gauges have vLLM 0.4.2's meanings
+(draft_acceptance_rate = accepted / draft, system_efficiency = emitted / (speculated
+sequences x (k+1)), NaN when a denominator is 0), read at scrape time from the same
+AcceptanceTotals that vLLM 0.4.2's AsyncMetricsCollector reads (it logs them every
+SPECDECODE_METRICS_LOG_INTERVAL seconds). Labels are bounded: phase, direction, outcome,
+position <= 16. No request ids.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator.engine import SpecDecodeEngine, StepStats
-from orchestrator.spec_metrics import AsyncMetricsCollector
+from orchestrator.spec_metrics import AcceptanceTotals, AsyncMetricsCollector
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 STEPS = Counter("specdecode_steps", "Decoding steps (propose, score, verify) run.")
 DRAFT = Counter("specdecode_draft_tokens", "Draft tokens proposed.")
 ACCEPTED = Counter("specdecode_accepted_tokens",
-                   "Draft tokens that passed verification (the seed's accepted_tokens).")
+                   "Draft tokens that passed verification (vLLM 0.4.2's accepted_tokens).")
 EMITTED = Counter("specdecode_emitted_tokens",
                   "Tokens emitted by speculative steps: accepted prefix plus one per sequence.")
 SPEC_SEQUENCES = Counter("specdecode_spec_sequences", "Sequence-steps that speculated.")
@@ -39,15 +40,6 @@ ACCEPTANCE_RATE = Gauge("specdecode_draft_acceptance_rate",
 EFFICIENCY = Gauge("specdecode_system_efficiency",
                    "emitted / (speculated sequences x (k+1)) since start (NaN before any).")
 NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per step (k).")
-
-
-def _ratio(numerator: Counter, denominator: Counter) -> float:
-    d = denominator._value.get()
-    return numerator._value.get() / d if d else math.nan
-
-
-ACCEPTANCE_RATE.set_function(lambda: _ratio(ACCEPTED, DRAFT))
-EFFICIENCY.set_function(lambda: _ratio(EMITTED, MAX_EMITTED))
 BATCH = Histogram("specdecode_step_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS)
 PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase: propose, score, "
                   "verify (rejection sampling) and overhead (the rest of the step).", ["phase"],
@@ -74,34 +66,34 @@ class StepMetrics:
 
     def __init__(self, engine: SpecDecodeEngine, log_interval_s: float = 5.0):
         self.engine = engine
-        self.collector = AsyncMetricsCollector(engine.sampler, collect_interval_s=log_interval_s,
+        self.totals = AcceptanceTotals()
+        self.collector = AsyncMetricsCollector(self.totals, collect_interval_s=log_interval_s,
                                                restart_interval=True)
-        self.collector.init_tensors(rank=0, device=engine.sampler.device)
-        self._accepted_at: list[int] = []
+        self.collector.init_tensors(rank=0)
         # Read at scrape time: a cancelled request leaves the batch without another step.
         RUNNING.set_function(lambda: len(engine.running))
+        ACCEPTANCE_RATE.set_function(lambda: self.totals.draft_acceptance_rate)
+        EFFICIENCY.set_function(lambda: self.totals.system_efficiency)
 
     def __call__(self, step: StepStats) -> None:
-        totals = self.engine.sampler.accepted_per_position.tolist()
-        by_position = [t - p for t, p in zip(totals, self._accepted_at + [0] * len(totals))]
-        self._accepted_at = totals
-        self.observe(step, by_position)
-        if step.k and (seed := self.collector.maybe_collect_rejsample_metrics(step.k)):
+        self.totals.add(step)
+        self.observe(step)
+        if step.k and (m := self.collector.maybe_collect_rejsample_metrics(step.k)):
             log.info("speculative metrics: acceptance %.3f, efficiency %.3f, draft %d, "
-                     "emitted %d, accepted %d, k %d", seed.draft_acceptance_rate,
-                     seed.system_efficiency, seed.draft_tokens, seed.emitted_tokens,
-                     seed.accepted_tokens, seed.num_spec_tokens,
-                     extra={"fields": {"event": "spec_decode_metrics", **vars(seed)}})
+                     "emitted %d, accepted %d, k %d", m.draft_acceptance_rate,
+                     m.system_efficiency, m.draft_tokens, m.emitted_tokens,
+                     m.accepted_tokens, m.num_spec_tokens,
+                     extra={"fields": {"event": "spec_decode_metrics", **vars(m)}})
 
     @staticmethod
-    def observe(step: StepStats, accepted_by_position: list[int]) -> None:
+    def observe(step: StepStats) -> None:
         STEPS.inc()
         DRAFT.inc(step.draft_tokens)
         ACCEPTED.inc(step.accepted_tokens)
         EMITTED.inc(step.emitted_tokens)
         SPEC_SEQUENCES.inc(step.spec_sequences)
         MAX_EMITTED.inc(step.spec_sequences * (step.k + 1))
-        for position, count in enumerate(accepted_by_position):
+        for position, count in enumerate(step.accepted_by_position):
             if count:
                 ACCEPTED_AT.labels(str(position)).inc(count)
         NUM_SPEC_TOKENS.set(step.k)

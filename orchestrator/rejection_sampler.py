@@ -7,8 +7,11 @@ accepted, the bonus token (drawn by the target model from p_{n_i}) follows. The 
 then distributed exactly as the target model's own samples. Output rows are [k+1] long, -1 padded.
 
 Rows with n_i = 0 are not speculative and belong on the non-speculative path. In strict mode they
-raise; otherwise they emit just their bonus token and still count as a speculated sequence in
-`num_spec_sequences`, which lowers `system_efficiency`.
+raise; otherwise they emit just their bonus token.
+
+The sampler keeps no state: each call returns the emitted tokens and, per row, how many draft
+tokens passed the accept test. Counting them into metrics is the engine's step stats' job
+(orchestrator.engine.StepStats), as in vLLM v1, where metrics live outside the sampler.
 """
 
 from __future__ import annotations
@@ -27,19 +30,19 @@ def proposal_lengths(draft_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _emit(draft_token_ids: torch.Tensor, accepted: torch.Tensor,
-          next_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          next_token: torch.Tensor) -> torch.Tensor:
     """The accepted prefix of each row, then next_token at the prefix's end, then -1.
 
     draft_token_ids [B, k], accepted [B, k] bool (False where not proposed),
     next_token [B, k+1]: what to emit if the prefix ends at that position.
-    Returns (output [B, k+1] long, prefix [B, k] bool).
+    Returns output [B, k+1] long.
     """
     prefix = accepted.long().cumprod(dim=1).bool()  # [B, k] accepted and all before it too
     end = prefix.sum(dim=1, keepdim=True)  # [B, 1] length of the accepted prefix
     out = torch.full_like(next_token, -1)  # [B, k+1]
     out[:, :-1] = torch.where(prefix, draft_token_ids, -1)
     out.scatter_(1, end, next_token.gather(1, end))
-    return out, prefix
+    return out
 
 
 def _draw(residual: torch.Tensor, proposed: torch.Tensor, lengths: list[int],
@@ -47,18 +50,21 @@ def _draw(residual: torch.Tensor, proposed: torch.Tensor, lengths: list[int],
     """Uniforms and one recovered token per position: (u [B, k], recovered [B, k] long).
 
     residual [B, k, V] non-negative, unnormalised. Rows without a generator draw together from
-    the global RNG. A row with a generator draws n_i uniforms, then n_i tokens, from it alone,
-    so its output does not depend on its batch mates. Values at unproposed positions are unused.
+    the global RNG, and only they do (as in vLLM): seeded batch mates take nothing from it. A
+    row with a generator draws n_i uniforms, then n_i tokens, from it alone, so its output does
+    not depend on its batch mates. Values at unproposed positions are unused.
     """
     B, k, V = residual.shape
-    if generators is None or any(g is None for g in generators):
-        u = torch.rand(B, k, device=residual.device)
-        valid = torch.where(proposed.unsqueeze(-1), residual, 1.0)  # [B, k, V] no empty rows
-        recovered = torch.multinomial(valid.view(B * k, V), 1).view(B, k)
-    else:
-        u = torch.ones(B, k, device=residual.device)
-        recovered = torch.zeros(B, k, dtype=torch.long, device=residual.device)
-    for i, g in enumerate(generators or []):
+    gens = generators or [None] * B
+    u = torch.ones(B, k, device=residual.device)
+    recovered = torch.zeros(B, k, dtype=torch.long, device=residual.device)
+    unseeded = [i for i, g in enumerate(gens) if g is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, device=residual.device)
+        u[rows] = torch.rand(len(unseeded), k, device=residual.device)
+        valid = torch.where(proposed[rows].unsqueeze(-1), residual[rows], 1.0)  # no empty rows
+        recovered[rows] = torch.multinomial(valid.view(-1, V), 1).view(len(unseeded), k)
+    for i, g in enumerate(gens):
         n = lengths[i]
         if g is not None and n:
             u[i, :n] = torch.rand(n, device=residual.device, generator=g)
@@ -66,33 +72,25 @@ def _draw(residual: torch.Tensor, proposed: torch.Tensor, lengths: list[int],
     return u, recovered
 
 
-class RejectionSampler:
-    """Verifies a batch of proposals; keeps the acceptance counters the metrics collector reads.
+Verified = tuple[torch.Tensor, torch.Tensor]
 
-    Counters: `num_accepted_tokens`, `num_emitted_tokens` (long scalar tensors on `device`, updated
-    in place, so reading them never syncs a step) and `accepted_per_position` ([k_max_seen] long
-    on `device`: how often position j was emitted as an accepted draft token); `num_draft_tokens`
-    and `num_spec_sequences` are Python ints.
+
+class RejectionSampler:
+    """Verifies a batch of proposals. Both methods return (token_ids, accepted):
+
+    token_ids [B, k+1] long: the accepted prefix, then the recovered or bonus token, then -1.
+    accepted [B] long: draft tokens that passed the accept test, whether or not the prefix
+    before them did (vLLM 0.4.2's accepted_tokens: an alignment measure, not what users see;
+    what users see is the prefix, i.e. the row's emitted tokens minus one).
     """
 
-    def __init__(self, strict_mode: bool = False, *, device: torch.device | str = "cpu"):
+    def __init__(self, strict_mode: bool = False):
         self.strict_mode = strict_mode
-        self.device = torch.device(device)
-        # Draft tokens that passed the accept test, whether or not the prefix before them did
-        # (the seed's NOTE on accepted_tokens: an alignment measure, not what users see).
-        self.num_accepted_tokens = torch.zeros((), dtype=torch.long, device=self.device)
-        # Tokens emitted: accepted prefix + the recovered or bonus token.
-        self.num_emitted_tokens = torch.zeros((), dtype=torch.long, device=self.device)
-        self.num_draft_tokens = 0  # sum of n_i
-        self.num_spec_sequences = 0  # rows verified
-        self.accepted_per_position = torch.zeros(0, dtype=torch.long, device=self.device)
-        # Per row of the last call: draft tokens that passed the accept test ([B] long, host).
-        self.last_accepted_counts = torch.zeros(0, dtype=torch.long)
 
     def __call__(self, target_probs: torch.Tensor, bonus_token_ids: torch.Tensor,
                  draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor, *,
-                 generators: Generators = None) -> torch.Tensor:
-        """Rejection-sample a batch. Returns [B, k+1] long, -1 after each row's last token.
+                 generators: Generators = None) -> Verified:
+        """Rejection-sample a batch: (token_ids [B, k+1], accepted [B]) as above.
 
         target_probs [B, k, V] float32: p at each proposal position.
         bonus_token_ids [B, 1] long: drawn from p at position n_i, emitted if all n_i accepted.
@@ -122,37 +120,19 @@ class RejectionSampler:
         next_token = torch.cat([recovered, bonus_token_ids], dim=1)  # [B, k+1]
         positions = torch.arange(k + 1, device=n.device)
         next_token = torch.where(positions < n.unsqueeze(1), next_token, bonus)
-        out, prefix = _emit(draft_token_ids, accepted, next_token)
-        self._count(accepted, out, prefix, lengths)
-        return out
+        return _emit(draft_token_ids, accepted, next_token), accepted.sum(dim=1)
 
-    def greedy(self, target_token_ids: torch.Tensor, draft_token_ids: torch.Tensor) -> torch.Tensor:
+    def greedy(self, target_token_ids: torch.Tensor, draft_token_ids: torch.Tensor) -> Verified:
         """Greedy verification: accept while draft == target; then the target's token.
 
         target_token_ids [B, k+1] long (the target's argmax at each position; k+1 = bonus),
-        draft_token_ids [B, k] long, -1 after n_i. Returns [B, k+1] long, -1 padded.
+        draft_token_ids [B, k] long, -1 after n_i. Returns (token_ids [B, k+1], accepted [B]).
         """
         if self.strict_mode:
             _check_greedy_inputs(target_token_ids, draft_token_ids)
-        n, proposed = proposal_lengths(draft_token_ids)
+        _, proposed = proposal_lengths(draft_token_ids)
         accepted = (draft_token_ids == target_token_ids[:, :-1]) & proposed  # [B, k]
-        out, prefix = _emit(draft_token_ids, accepted, target_token_ids)
-        self._count(accepted, out, prefix, n.tolist())
-        return out
-
-    def _count(self, accepted: torch.Tensor, out: torch.Tensor, prefix: torch.Tensor,
-               lengths: list[int]) -> None:
-        self.last_accepted_counts = accepted.sum(dim=1).cpu()
-        self.num_accepted_tokens += accepted.sum().to(self.device)
-        self.num_emitted_tokens += (out != -1).sum().to(self.device)
-        self.num_draft_tokens += sum(lengths)
-        self.num_spec_sequences += len(lengths)
-        k = prefix.shape[1]
-        if k > self.accepted_per_position.numel():  # grow, keeping the counts so far
-            grown = torch.zeros(k, dtype=torch.long, device=self.device)
-            grown[:self.accepted_per_position.numel()] = self.accepted_per_position
-            self.accepted_per_position = grown
-        self.accepted_per_position[:k] += prefix.sum(dim=0).to(self.device)
+        return _emit(draft_token_ids, accepted, target_token_ids), accepted.sum(dim=1)
 
 
 # --- strict-mode input checks: each raises InvalidRequestError (a ValueError) naming the argument.

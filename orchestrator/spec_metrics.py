@@ -1,29 +1,54 @@
 """Acceptance metrics, as vLLM 0.4.2's `spec_decode/metrics.py` defines them.
 
-`AsyncMetricsCollector` copies the rejection sampler's device counters to the host without
-stalling a step: a call that finds the interval passed starts the copy and returns None, the next
-call waits for it and returns the metrics. On an accelerator (cuda, npu) the copy runs on the
-device's own stream and is marked by an event of that backend; on CPU it is a plain copy.
+`AcceptanceTotals` sums the engine's step stats (orchestrator.engine.StepStats, the one place
+acceptance is counted); `AsyncMetricsCollector` turns them into vLLM 0.4.2's
+`SpecDecodeWorkerMetrics` with vLLM's two-call protocol: a call that finds the interval passed
+takes a snapshot and returns None, the next call returns the metrics of that snapshot. vLLM
+copies device counters to the host there; here the counts already live on the host (the
+rejection sampler keeps none), so the snapshot is a plain copy that never waits on a device.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    from orchestrator.engine import StepStats
 
 Timer = Callable[[], float]
 
 
-class SamplerCounters(Protocol):
-    """What the collector reads from the sampler (orchestrator.rejection_sampler.RejectionSampler)."""
+@dataclass
+class AcceptanceTotals:
+    """Acceptance counts since start, summed from step stats (host-side ints)."""
 
-    num_accepted_tokens: torch.Tensor  # long scalar, on the sampler's device
-    num_emitted_tokens: torch.Tensor  # long scalar, on the sampler's device
-    num_draft_tokens: int
-    num_spec_sequences: int
+    accepted_tokens: int = 0  # passed the accept test (vLLM 0.4.2's meaning)
+    emitted_tokens: int = 0  # emitted by speculative steps
+    draft_tokens: int = 0
+    spec_sequences: int = 0  # sequence-steps that speculated
+    max_emitted_tokens: int = 0  # sum over steps of spec_sequences x (k+1)
+
+    def add(self, step: StepStats) -> None:
+        self.accepted_tokens += step.accepted_tokens
+        self.emitted_tokens += step.emitted_tokens
+        self.draft_tokens += step.draft_tokens
+        self.spec_sequences += step.spec_sequences
+        self.max_emitted_tokens += step.spec_sequences * (step.k + 1)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """accepted / draft; NaN before any draft token."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else math.nan
+
+    @property
+    def system_efficiency(self) -> float:
+        """emitted / (speculating sequence-steps x (k+1)), with each step's own k; NaN before any."""
+        return (self.emitted_tokens / self.max_emitted_tokens if self.max_emitted_tokens
+                else math.nan)
 
 
 @dataclass
@@ -59,67 +84,36 @@ class SpecDecodeWorkerMetrics:
     num_spec_tokens: int
 
 
-class _Done:
-    """The marker of a copy that already finished (the CPU path)."""
-
-    def synchronize(self) -> None:
-        pass
-
-
 class AsyncMetricsCollector:
-    """Copies the rejection sampler's counters to the host and turns them into metrics."""
+    """vLLM 0.4.2's collector over the engine's acceptance totals."""
 
-    def __init__(self, rejection_sampler: SamplerCounters, timer: Timer | None = None,
+    def __init__(self, totals: AcceptanceTotals, timer: Timer | None = None,
                  collect_interval_s: float = 5.0, restart_interval: bool = False):
-        self._rejection_sampler = rejection_sampler
+        self._totals = totals
         self._timer = time.time if timer is None else timer
         self._rank: int | None = None  # None until init_tensors: never collects
-        self._backend: Any = None  # torch.cuda / torch.npu; None on CPU
-        self._copy_stream: Any = None
-        self._in_flight_copy: Any = None  # an event (or _Done) while a copy is pending
-        self._aggregate_num_accepted_tokens = torch.zeros((), dtype=torch.long)
-        self._aggregate_num_emitted_tokens = torch.zeros((), dtype=torch.long)
-        self._aggregate_num_draft_tokens = 0
-        self._aggregate_num_spec_sequences = 0
+        self._snapshot: AcceptanceTotals | None = None  # taken, not yet returned
         self._rejsample_metrics_collect_interval_s = collect_interval_s
-        # As in the seed, set once here and never reset: once the interval has passed, every
-        # other call collects (one starts a copy, the next returns it). restart_interval=True
-        # (for periodic logging) restarts the interval at each copy instead.
+        # As in vLLM 0.4.2, set once here and never reset: once the interval has passed, every
+        # other call collects (one takes a snapshot, the next returns it). restart_interval=True
+        # (for periodic logging) restarts the interval at each snapshot instead.
         self._last_metrics_collect_time = self._timer()
         self._restart_interval = restart_interval
 
-    def init_tensors(self, rank: int, device: torch.device | str) -> None:
-        """Set the rank (only rank 0 collects) and the device the sampler's counters live on.
-
-        Raises RuntimeError if `device` is an accelerator whose torch backend is not there.
-        """
-        # The type is read from the string first: torch.device("npu") itself fails unless
-        # torch_npu has registered the backend.
-        kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    def init_tensors(self, rank: int) -> None:
+        """Set the rank: only rank 0 collects (vLLM 0.4.2's name; there are no tensors to
+        allocate, the totals live on the host)."""
         self._rank = rank
-        if kind == "cpu":
-            self._backend = self._copy_stream = None
-            return
-        backend = getattr(torch, kind, None)
-        if backend is None or not hasattr(backend, "Stream") or not backend.is_available():
-            hint = " (install torch_npu: the [npu] extra, with Ascend CANN)" if kind == "npu" else ""
-            raise RuntimeError(
-                f"metrics collector: device {str(device)!r} needs the torch.{kind} backend, "
-                f"which is not available here{hint}")
-        self._backend = backend
-        self._copy_stream = backend.Stream(device=torch.device(device))
-        # Pinned host memory makes the device->host copy truly asynchronous.
-        self._aggregate_num_accepted_tokens = torch.zeros((), dtype=torch.long, pin_memory=True)
-        self._aggregate_num_emitted_tokens = torch.zeros((), dtype=torch.long, pin_memory=True)
 
     def maybe_collect_rejsample_metrics(self, k: int) -> SpecDecodeWorkerMetrics | None:
-        """Metrics if a copy was started by the previous call; else maybe start one and return None."""
-        if self._in_flight_copy is not None:
-            ready_event, self._in_flight_copy = self._in_flight_copy, None
-            return self._collect_rejsample_metrics(k, ready_event)
+        """Metrics if a snapshot was taken by the previous call; else maybe take one and
+        return None."""
+        if self._snapshot is not None:
+            snapshot, self._snapshot = self._snapshot, None
+            return self._collect_rejsample_metrics(k, snapshot)
         now = self._timer()
         if self._should_collect_rejsample_metrics(now):
-            self._in_flight_copy = self._copy_rejsample_metrics_async()
+            self._snapshot = dataclasses.replace(self._totals)
             if self._restart_interval:
                 self._last_metrics_collect_time = now
         return None
@@ -129,37 +123,16 @@ class AsyncMetricsCollector:
             return False
         return now - self._last_metrics_collect_time >= self._rejsample_metrics_collect_interval_s
 
-    def _copy_rejsample_metrics_async(self) -> Any:
-        """Start copying the counters to the host; return an event marking the copy's end."""
-        sampler = self._rejection_sampler
-        # Host-side counts need no copy.
-        self._aggregate_num_draft_tokens = sampler.num_draft_tokens
-        self._aggregate_num_spec_sequences = sampler.num_spec_sequences
-        if self._backend is None:
-            self._aggregate_num_accepted_tokens.copy_(sampler.num_accepted_tokens)
-            self._aggregate_num_emitted_tokens.copy_(sampler.num_emitted_tokens)
-            return _Done()
-        backend = self._backend
-        self._copy_stream.wait_stream(backend.current_stream())
-        with backend.stream(self._copy_stream):
-            self._aggregate_num_accepted_tokens.copy_(sampler.num_accepted_tokens,
-                                                      non_blocking=True)
-            self._aggregate_num_emitted_tokens.copy_(sampler.num_emitted_tokens,
-                                                     non_blocking=True)
-        ready = backend.Event()
-        ready.record(self._copy_stream)
-        return ready
-
-    def _collect_rejsample_metrics(self, k: int, ready_event: Any) -> SpecDecodeWorkerMetrics:
-        """Wait for the copy and compute the metrics; k is the speculation length."""
-        ready_event.synchronize()
-        accepted_tokens = int(self._aggregate_num_accepted_tokens.item())
-        emitted_tokens = int(self._aggregate_num_emitted_tokens.item())
-        draft_tokens = self._aggregate_num_draft_tokens
-        # Counted by the sampler rather than derived as draft_tokens // k (the seed's
+    @staticmethod
+    def _collect_rejsample_metrics(k: int, snapshot: AcceptanceTotals) -> SpecDecodeWorkerMetrics:
+        """The metrics of a snapshot; k is the speculation length."""
+        accepted_tokens = snapshot.accepted_tokens
+        emitted_tokens = snapshot.emitted_tokens
+        draft_tokens = snapshot.draft_tokens
+        # Counted per step rather than derived as draft_tokens // k (vLLM 0.4.2's
         # get_max_num_emitted_tokens): equal when every sequence proposes k tokens, and still
         # right when proposal lengths are ragged.
-        max_num_emitted_tokens = self._aggregate_num_spec_sequences * (k + 1)
+        max_num_emitted_tokens = snapshot.spec_sequences * (k + 1)
         draft_acceptance_rate = (accepted_tokens / draft_tokens if draft_tokens > 0
                                  else float("nan"))
         system_efficiency = (emitted_tokens / max_num_emitted_tokens
@@ -177,7 +150,7 @@ class AsyncMetricsCollector:
     def get_max_num_emitted_tokens(draft_tokens: int, k: int) -> int:
         """Emitted tokens if every proposal were accepted: (draft_tokens // k) sequences × (k+1).
 
-        Valid only when every sequence proposed exactly k tokens (the seed's assumption), so
+        Valid only when every sequence proposed exactly k tokens (vLLM 0.4.2's assumption), so
         draft_tokens must be a multiple of k; raises ValueError otherwise.
         """
         if k < 1 or draft_tokens % k != 0:

@@ -4,7 +4,7 @@ Each speculating sequence with n proposal tokens becomes n+1 single-query target
 (its tokens with [], [t0], ..., [t0..tn-1] appended) under new sequence ids counted from
 max(input ids)+1; sequences that do not speculate are scored as they are, in the same call.
 Spans: `batch_expansion.expand`, `target_model.forward`, `batch_expansion.contract`.
-The target's output is contracted back to [B, k+1]. Unlike the seed, proposal lengths may
+The target's output is contracted back to [B, k+1]. Unlike vLLM 0.4.2, proposal lengths may
 differ per sequence (n-gram proposals are ragged); a sequence of length n fills n+1 columns.
 """
 
@@ -42,7 +42,7 @@ def expand_batch(req: ExecuteModelRequest, proposals: SpeculativeProposals) -> E
     token_ids = proposals.proposal_token_ids.tolist()  # [B, k]
     spec = [i for i, n in enumerate(lens) if n > 0]
     non_spec = [i for i, n in enumerate(lens) if n == 0]
-    # Ids of the expanded batch come after every input id, spec or not (as in the seed).
+    # Ids of the expanded batch come after every input id, spec or not (as in vLLM 0.4.2).
     target_ids = count(max((sg.seq_id for sg in groups), default=-1) + 1)
     expanded = []
     for i in spec:

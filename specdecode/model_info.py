@@ -1,5 +1,5 @@
 """What a service says about its model, and the check that a draft/target pair can work
-together (DESIGN invariant 4: compatibility is checked, not assumed)."""
+together (docs/design.md, invariant 4: compatibility is checked, not assumed)."""
 
 from __future__ import annotations
 

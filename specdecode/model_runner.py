@@ -1,8 +1,8 @@
 """Runs a batch of sequences of different lengths through a transformers causal LM in one
 forward pass, with a KV cache per sequence id.
 
-Stateless semantics, cached execution (DESIGN invariant 3): every row carries its full token
-ids; the cache only saves work. A row reuses the longest prefix its cache entry shares with
+Stateless semantics, cached execution (docs/design.md, invariant 3): every row carries its
+full token ids; the cache only saves work. A row reuses the longest prefix its cache entry shares with
 its tokens (a rollback when proposals were rejected), and recomputes everything on a miss.
 
 Batch layout, for row i with `past_i` cached and `n_i` new tokens, P = max past, N = max new:

@@ -125,7 +125,7 @@ class SequenceGroupMetadata:
     is_prompt: bool  # True until the sequence has its first generated token
     seq_data: dict[SeqId, SequenceData]  # exactly one entry (no beam search)
     sampling_params: SamplingParams
-    # Sequence id whose KV cache this sequence may read (the analogue of the seed's
+    # Sequence id whose KV cache this sequence may read (the analogue of vLLM 0.4.2's
     # block_tables): an expanded target sequence reads its parent's cache.
     # None = its own sequence id.
     cache_id: SeqId | None = None

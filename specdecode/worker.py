@@ -1,6 +1,6 @@
 """A model worker: one single-query decoding step for a batch of sequences.
 
-This is what the seed calls the scorer worker's `execute_model`: batch expansion hands it
+This is what vLLM 0.4.2 calls the scorer worker's `execute_model`: batch expansion hands it
 the expanded batch, the draft proposer calls it once per draft position.
 """
 

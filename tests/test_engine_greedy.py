@@ -1,4 +1,4 @@
-"""Lossless greedy decoding (DESIGN invariant 1): spec-decode output equals the target
+"""Lossless greedy decoding (docs/design.md, invariant 1): spec-decode output equals the target
 model's own greedy decoding token for token, in float32."""
 
 from __future__ import annotations

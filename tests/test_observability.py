@@ -249,7 +249,9 @@ def test_step_attributes_add_up_to_the_usage(run):
     steps = run.named("spec_decode.step")
     total = lambda key: sum(s.attributes[f"specdecode.{key}"] for s in steps)  # noqa: E731
     assert len(steps) == usage["steps"]
-    assert total("accepted_tokens") == usage["accepted_tokens"]
+    # Steps count vLLM 0.4.2's accepted tokens (passed the test, even after a rejection);
+    # the usage counts the accepted prefixes the request received: never more.
+    assert total("accepted_tokens") >= usage["accepted_tokens"]
     assert total("draft_tokens") == usage["draft_tokens"]
     assert total("emitted_tokens") == usage["emitted_tokens"]
     assert total("new_tokens") == usage["completion_tokens"] == MAX_TOKENS
@@ -282,22 +284,23 @@ def test_request_span_attributes(run):
 def test_orchestrator_metrics_match_the_run(run):
     m, usage = run.metrics["orchestrator"], run.result.usage
     assert m["specdecode_draft_tokens_total"] == usage["draft_tokens"]
-    assert m["specdecode_accepted_tokens_total"] == usage["accepted_tokens"]
+    accepted = m["specdecode_accepted_tokens_total"]  # vLLM 0.4.2's meaning
+    assert usage["accepted_tokens"] <= accepted <= usage["draft_tokens"]
     assert m["specdecode_emitted_tokens_total"] == usage["emitted_tokens"]
     assert m["specdecode_steps_total"] == usage["steps"]
     assert m["specdecode_generation_tokens_total"] == usage["completion_tokens"]
     assert m["specdecode_prompt_tokens_total"] == usage["prompt_tokens"]
     assert m['specdecode_requests_total{outcome="length"}'] == 1
     assert m["specdecode_draft_acceptance_rate"] == pytest.approx(
-        usage["accepted_tokens"] / usage["draft_tokens"])
-    # The seed: emitted / (draft_tokens / k speculated sequences x (k + 1)).
+        accepted / usage["draft_tokens"])
+    # vLLM 0.4.2: emitted / (draft_tokens / k speculated sequences x (k + 1)).
     assert m["specdecode_system_efficiency"] == pytest.approx(
         usage["emitted_tokens"] / (usage["draft_tokens"] // K * (K + 1)))
     assert 0 < m["specdecode_draft_acceptance_rate"] < 1
     assert m["specdecode_num_spec_tokens"] == K
     by_position = sum(v for k, v in m.items()
                       if k.startswith("specdecode_accepted_tokens_by_position_total"))
-    assert by_position <= usage["accepted_tokens"]  # emitted accepted tokens only
+    assert by_position == usage["accepted_tokens"]  # emitted accepted tokens only
     assert m["specdecode_step_duration_seconds_count"] == usage["steps"]
     for phase in ("propose", "score", "verify", "overhead"):
         assert m[f'specdecode_step_phase_seconds_count{{phase="{phase}"}}'] == usage["steps"]
@@ -342,7 +345,8 @@ def test_metrics_also_go_over_otlp(run):
                         last[service, metric.name] = sum(p.as_double for p in
                                                          metric.sum.data_points)
     usage = run.result.usage
-    assert last["specdecode-orchestrator", "specdecode_accepted_tokens"] == usage["accepted_tokens"]
+    assert last["specdecode-orchestrator", "specdecode_accepted_tokens"] == \
+        run.metrics["orchestrator"]["specdecode_accepted_tokens_total"]
     assert last["specdecode-orchestrator", "specdecode_steps"] == usage["steps"]
     assert last["specdecode-scorer", "specdecode_kv_cache_hits"] > 0
 

@@ -34,7 +34,7 @@ def test_qwen_pair_greedy_equals_target(pair, scoring):
     done = engine.generate([greedy_request(str(i), p, MAX_TOKENS) for i, p in enumerate(prompts)])
     for i, want in enumerate(expected):
         assert done[str(i)].output_token_ids == want
-    # DESIGN.md measured ~58% greedy acceptance for this pair in general and ~100% on code;
+    # docs/design.md measured ~58% greedy acceptance for this pair in general and ~100% on code;
     # half is a floor that a verifier rejecting good drafts (or a mismatched pair) fails.
     stats = [s.stats for s in done.values()]
     assert sum(s.accepted_tokens for s in stats) > 0.5 * sum(s.draft_tokens for s in stats)

@@ -56,9 +56,9 @@ def test_output_format(case: str, point_mass: bool, device: str) -> None:
     other = (DRAFT + 1) % V  # a token != the draft token
     target_ids = torch.stack([torch.where(torch.arange(3) < a, DRAFT[i], other[i])
                               for i, a in enumerate(last)])
-    sampler = RejectionSampler(strict_mode=True, device=device)
-    out = sampler(one_hot(target_ids, V).to(device), BONUS.to(device),
-                  None if point_mass else one_hot(DRAFT, V).to(device), DRAFT.to(device))
+    sampler = RejectionSampler(strict_mode=True)
+    out, _ = sampler(one_hot(target_ids, V).to(device), BONUS.to(device),
+                     None if point_mass else one_hot(DRAFT, V).to(device), DRAFT.to(device))
     expected = torch.full((3, 4), -1)
     for i, a in enumerate(last):
         expected[i, :a] = DRAFT[i, :a]
@@ -76,8 +76,8 @@ def test_ragged_rows(point_mass: bool, device: str) -> None:
     target_ids[3, 1] = 6  # row 3 rejects its second proposal
     target = one_hot(target_ids, V)  # zero rows where not proposed, as the scorer sends them
     draft_probs = None if point_mass else one_hot(draft, V).to(device)
-    out = RejectionSampler(strict_mode=True)(target.to(device), bonus.to(device), draft_probs,
-                                             draft.to(device))
+    out, _ = RejectionSampler(strict_mode=True)(target.to(device), bonus.to(device), draft_probs,
+                                                draft.to(device))
     assert out.tolist() == [[1, 2, 3, 0], [4, 5, 1, -1], [7, 2, -1, -1], [3, 6, -1, -1]]
 
 
@@ -101,7 +101,7 @@ def test_no_crash_with_varying_dims(batch: int, k: int, vocab: int, point_mass: 
     lens = torch.randint(1, k + 1, (batch,), generator=gen)  # ragged, each row >= 1
     draft[torch.arange(k) >= lens.unsqueeze(1)] = -1
     bonus = torch.randint(0, vocab, (batch, 1), generator=gen)
-    out = RejectionSampler(strict_mode=True, device=device)(
+    out, _ = RejectionSampler(strict_mode=True)(
         target.to(device), bonus.to(device),
         None if draft_probs is None else draft_probs.to(device), draft.to(device))
     check_format(out.cpu(), draft, bonus, vocab)
@@ -132,12 +132,12 @@ def test_deterministic_when_seeded(point_mass: bool, device: str) -> None:
     target, bonus, draft_probs, draft = _batch(16, 4, 50, seed=1, device=device)
     draft_probs = None if point_mass else draft_probs
     sampler = RejectionSampler()
-    runs = [sampler(target, bonus, draft_probs, draft, generators=_gens(*range(16), device=device))
-            for _ in range(3)]
+    gens = lambda: _gens(*range(16), device=device)  # noqa: E731
+    runs = [sampler(target, bonus, draft_probs, draft, generators=gens())[0] for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     # Not constant: other seeds give other outputs (the random vocab makes rejections common).
-    other = sampler(target, bonus, draft_probs, draft,
-                    generators=_gens(*range(100, 116), device=device))
+    other, _ = sampler(target, bonus, draft_probs, draft,
+                       generators=_gens(*range(100, 116), device=device))
     assert not torch.equal(runs[0], other)
 
 
@@ -147,8 +147,8 @@ def test_seeded_row_independent_of_batch_mates(device: str) -> None:
     target, bonus, draft_probs, draft = _batch(1, 3, vocab, seed=2, device=device)
     draft[0, 2] = -1  # the seeded row proposes 2 of 3
     sampler = RejectionSampler(strict_mode=True)
-    alone = [sampler(target, bonus, draft_probs, draft, generators=_gens(seed, device=device))
-             for seed in range(20)]
+    alone = [sampler(target, bonus, draft_probs, draft,
+                     generators=_gens(seed, device=device))[0] for seed in range(20)]
     # The same row in a wider batch (k = 5, padded with -1) among unseeded and seeded mates.
     mates_t, mates_b, mates_q, mates_d = _batch(3, 5, vocab, seed=3, device=device)
     pad = torch.zeros(1, 2, vocab, device=device)
@@ -158,11 +158,31 @@ def test_seeded_row_independent_of_batch_mates(device: str) -> None:
     big_b = torch.cat([mates_b[:1], bonus, mates_b[1:]])
     for seed in range(20):
         gens = [None, _gen(seed, device), None, _gen(7, device)]
-        together = sampler(big_t, big_b, big_q, big_d, generators=gens)
+        together, _ = sampler(big_t, big_b, big_q, big_d, generators=gens)
         assert together[1, :4].tolist() == alone[seed][0].tolist()
         assert (together[1, 4:] == -1).all()
     # 20 seeds must not all give the same output, or the check above proves nothing.
     assert len({tuple(a[0].tolist()) for a in alone}) > 1
+
+
+@on_devices
+def test_only_unseeded_rows_draw_from_the_global_rng(device: str) -> None:
+    """As in vLLM: seeded batch mates take nothing from the global stream, so an unseeded row
+    draws the same with or without them and the stream is left where it would be without them."""
+    vocab = 50
+    target, bonus, draft_probs, draft = _batch(3, 4, vocab, seed=4, device=device)
+    sampler = RejectionSampler(strict_mode=True)
+
+    def run(rows: list[int], gens: list) -> tuple[list[int], torch.Tensor]:
+        torch.manual_seed(123)
+        out, _ = sampler(target[rows], bonus[rows], draft_probs[rows], draft[rows],
+                         generators=gens)
+        return out[0].tolist(), torch.rand(8, device=device)
+
+    alone, stream_alone = run([0], [None])
+    mixed, stream_mixed = run([0, 1, 2], [None, _gen(1, device), _gen(2, device)])
+    assert mixed == alone
+    assert torch.equal(stream_mixed, stream_alone)
 
 
 # --- distribution ----------------------------------------------------------------------------
@@ -187,8 +207,8 @@ def simulate(p: torch.Tensor, q: torch.Tensor, p_bonus: torch.Tensor, n: int, se
     draft = torch.stack([torch.multinomial(q[j], n, replacement=True) for j in range(k)], 1)
     bonus = torch.multinomial(p_bonus, n, replacement=True).unsqueeze(1)
     draft_probs = q.expand(n, k, vocab).to(device) if pass_draft_probs else None
-    out = RejectionSampler()(p.expand(n, k, vocab).to(device), bonus.to(device), draft_probs,
-                             draft.to(device))
+    out, _ = RejectionSampler()(p.expand(n, k, vocab).to(device), bonus.to(device), draft_probs,
+                                draft.to(device))
     return out.cpu()
 
 
@@ -305,44 +325,36 @@ def test_greedy_exact(device: str) -> None:
         [6, 7, -1, -1],  # ragged n_i = 1, bonus 7
         [7, 1, 4, -1],  # ragged, mismatch at 1
     ])
-    out = RejectionSampler(strict_mode=True, device=device).greedy(target.to(device),
-                                                                   draft.to(device))
+    out, accepted = RejectionSampler(strict_mode=True).greedy(target.to(device),
+                                                              draft.to(device))
     assert out.tolist() == [[1, 2, 3, 9], [1, 0, -1, -1], [5, -1, -1, -1], [4, 5, 8, -1],
                             [6, 7, -1, -1], [7, 1, -1, -1]]
+    # Passed the accept test, even after a rejection (row 1: positions 0 and 2; row 2: 1, 2).
+    assert accepted.tolist() == [3, 2, 2, 2, 1, 1]
 
 
 # --- counters --------------------------------------------------------------------------------
 
 
 @on_devices
-def test_counters_exact(device: str) -> None:
-    sampler = RejectionSampler(strict_mode=True, device=device)
+def test_accepted_counts_per_row(device: str) -> None:
+    """Each call returns, per row, the draft tokens that passed the accept test (vLLM 0.4.2's
+    meaning: even after an earlier rejection); the sampler keeps nothing between calls."""
+    sampler = RejectionSampler(strict_mode=True)
     draft = torch.tensor([[1, 2, 3], [4, 5, -1]])
     target_ids = torch.tensor([[0, 2, 3], [4, 5, -1]])  # row 0: position 0 rejected, 1 and 2 pass
-    out = sampler(one_hot(target_ids, V).to(device), torch.tensor([[7], [8]], device=device),
-                  one_hot(draft, V).to(device), draft.to(device))
+    out, accepted = sampler(one_hot(target_ids, V).to(device),
+                            torch.tensor([[7], [8]], device=device),
+                            one_hot(draft, V).to(device), draft.to(device))
     assert out.tolist() == [[0, -1, -1, -1], [4, 5, 8, -1]]
-    # accepted: row 0 positions 1, 2 (not in the emitted prefix, still counted) + row 1's 2
-    assert int(sampler.num_accepted_tokens) == 4
-    assert int(sampler.num_emitted_tokens) == 1 + 3
-    assert sampler.num_draft_tokens == 3 + 2
-    assert sampler.num_spec_sequences == 2
-    assert sampler.accepted_per_position.tolist() == [1, 1, 0]
-    assert sampler.num_accepted_tokens.dtype == torch.long
-    assert sampler.num_accepted_tokens.shape == ()
-    assert sampler.num_accepted_tokens.device.type == device
-
-    # Greedy, with k growing to 4: counters add up and accepted_per_position grows.
-    accepted_tensor = sampler.num_accepted_tokens
-    out = sampler.greedy(torch.tensor([[1, 2, 0, 4, 6], [9, 9, 9, -1, -1]], device=device),
-                         torch.tensor([[1, 2, 3, 4], [5, 9, -1, -1]], device=device))
+    assert accepted.tolist() == [2, 2]
+    assert accepted.dtype == torch.long
+    out, accepted = sampler.greedy(
+        torch.tensor([[1, 2, 0, 4, 6], [9, 9, 9, -1, -1]], device=device),
+        torch.tensor([[1, 2, 3, 4], [5, 9, -1, -1]], device=device))
     assert out.tolist() == [[1, 2, 0, -1, -1], [9, -1, -1, -1, -1]]
-    assert sampler.num_accepted_tokens is accepted_tensor  # updated in place
-    assert int(sampler.num_accepted_tokens) == 4 + 3 + 1  # row 0: 1, 2, 4; row 1: 9 at position 1
-    assert int(sampler.num_emitted_tokens) == 4 + 3 + 1
-    assert sampler.num_draft_tokens == 5 + 4 + 2
-    assert sampler.num_spec_sequences == 4
-    assert sampler.accepted_per_position.tolist() == [2, 2, 0, 0]
+    assert accepted.tolist() == [3, 1]  # row 0: 1, 2, 4; row 1: 9 at position 1
+    assert vars(sampler) == {"strict_mode": True}  # no counters
 
 
 # --- strict mode -----------------------------------------------------------------------------
@@ -391,7 +403,7 @@ BAD_SAMPLE_INPUTS = {
 
 
 def test_strict_good_input_passes() -> None:
-    out = RejectionSampler(strict_mode=True)(**_good())
+    out, _ = RejectionSampler(strict_mode=True)(**_good())
     assert out.tolist() == [[1, 2, 0], [3, 1, -1]]
 
 
@@ -418,17 +430,6 @@ def test_strict_mode_rejects_greedy(target, draft, name) -> None:
 def test_non_strict_accepts_empty_row() -> None:
     """Documented: without strict mode an n_i = 0 row just emits its bonus token."""
     args = _with(draft_token_ids=torch.tensor([[1, 2], [-1, -1]]))
-    sampler = RejectionSampler()
-    assert sampler(**args).tolist() == [[1, 2, 0], [1, -1, -1]]
-    assert sampler.num_spec_sequences == 2 and sampler.num_draft_tokens == 2
-
-
-def test_last_accepted_counts_are_per_row():
-    """Per-row counts (for per-request usage) sum to the counter's increment."""
-    sampler = RejectionSampler()
-    target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [1, 2, 3, 4]])
-    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [9, -1, -1]])
-    sampler.greedy(target, draft)
-    # Row 1: position 1 mismatches, position 2 still matches (counted, as in the seed).
-    assert sampler.last_accepted_counts.tolist() == [3, 2, 0]
-    assert int(sampler.num_accepted_tokens) == 5
+    out, accepted = RejectionSampler()(**args)
+    assert out.tolist() == [[1, 2, 0], [1, -1, -1]]
+    assert accepted.tolist() == [2, 0]

@@ -1,4 +1,4 @@
-"""Batch expansion as the seed does it, and multi-query scoring agreeing with it."""
+"""Batch expansion as vLLM 0.4.2 does it, and multi-query scoring agreeing with it."""
 
 from __future__ import annotations
 

@@ -363,10 +363,13 @@ class Usage(_message.Message):
     draft_tokens: _builtins.int
     """Draft tokens proposed for this request over all steps."""
     accepted_tokens: _builtins.int
-    """Draft tokens the target model accepted."""
+    """Draft tokens this request received: the accepted prefix of each speculative step, so
+    accepted_tokens <= emitted_tokens. (The Prometheus counter specdecode_accepted_tokens
+    keeps vLLM 0.4.2's meaning and also counts drafts that passed after a rejection.)
+    """
     emitted_tokens: _builtins.int
-    """Tokens emitted by verification: accepted drafts plus one target token per step
-    (may exceed completion_tokens when a stop condition truncates a step).
+    """Tokens emitted by speculative steps: the accepted prefix plus one target token per
+    step (may exceed completion_tokens when a stop condition truncates a step).
     """
     acceptance_rate: _builtins.float
     """accepted_tokens / draft_tokens; NaN when no draft token was proposed."""
