@@ -13,12 +13,15 @@ the others (see specdecode.tracing.step_span). `trace_every` keeps every Nth ste
 from __future__ import annotations
 
 import itertools
+import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from orchestrator import deadlines
 from orchestrator.rejection_sampler import RejectionSampler
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
@@ -26,6 +29,8 @@ from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, Sp
 from specdecode.sampling import step_generator
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
                                  SequenceData, SequenceGroupMetadata)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Request:
     # The OpenTelemetry context of the request's span, carried explicitly to the engine
     # thread (contextvars do not cross threads); None when the request is not traced.
     trace_context: Any = field(default=None, repr=False, compare=False)
+    # The client's deadline (time.monotonic()), or None: internal calls never outlive it.
+    deadline: float | None = None
 
 
 @dataclass
@@ -174,7 +181,11 @@ class SpecDecodeEngine:
         self.last_step = StepStats()
         self.trace_every = trace_every
         self.steps = 0  # steps run so far
-        self._seq_ids = itertools.count()
+        # Services key their KV caches by sequence id, and may serve several orchestrators:
+        # ids carry a random 38-bit prefix of this engine and a 24-bit counter (below 2**62:
+        # int64 on the wire, with room for batch expansion's max(id)+1... target ids).
+        self.orchestrator_id = secrets.randbits(38)
+        self._seq_ids = (self.orchestrator_id << 24 | n % (1 << 24) for n in itertools.count())
 
     # -- requests ------------------------------------------------------------------------
 
@@ -257,15 +268,18 @@ class SpecDecodeEngine:
         k = max((self.k if s.request.num_speculative_tokens is None
                  else s.request.num_speculative_tokens) for s in seqs)
         req = ExecuteModelRequest([self._group(s) for s in seqs], num_lookahead_slots=k)
-        with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
-                                              "specdecode.k": k}) as span:
-            proposals = self.proposer.get_proposals(req)
-            if span.is_recording():
-                span.set_attribute("specdecode.draft_tokens", int(proposals.proposal_lens.sum()))
-        t_proposed = time.perf_counter()
-        with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
-                                            "specdecode.k": k}):
-            scores = self.scorer.score_proposals(req, proposals)
+        client_deadlines = [s.request.deadline for s in seqs]
+        with deadlines.bounded_by(None if None in client_deadlines else max(client_deadlines)):
+            with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
+                                                  "specdecode.k": k}) as span:
+                proposals = self.proposer.get_proposals(req)
+                if span.is_recording():
+                    span.set_attribute("specdecode.draft_tokens",
+                                       int(proposals.proposal_lens.sum()))
+            t_proposed = time.perf_counter()
+            with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
+                                                "specdecode.k": k}):
+                scores = self.scorer.score_proposals(req, proposals)
         t_scored = time.perf_counter()
         with tracing.child_span("rejection_sample") as span:
             emitted, accepted = verify(self.sampler, req, proposals, scores)
@@ -330,10 +344,15 @@ class SpecDecodeEngine:
         return new
 
     def _release(self, seqs: list[Sequence]) -> None:
+        """Release on both services; one failing never keeps the other's release back."""
         if seqs:
             ids = [s.seq_id for s in seqs]
-            self.proposer.release_sequences(ids)
-            self.scorer.release_sequences(ids)
+            for service in (self.proposer, self.scorer):
+                try:
+                    service.release_sequences(ids)
+                except Exception as exc:  # the service's cache evicts them in time
+                    log.warning("releasing %d sequences on %s failed: %s", len(ids),
+                                type(service).__name__, exc)
 
     def generate(self, requests: list[Request]) -> dict[str, Sequence]:
         """Run requests to completion together; returns the finished sequences by id."""

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from orchestrator.engine import Request, SpecDecodeEngine, StepOutput, StepStats
+from orchestrator.engine import Request, RequestStats, SpecDecodeEngine, StepOutput, StepStats
 from specdecode import tracing
 from specdecode.sequence import InvalidRequestError
 
@@ -31,6 +31,7 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._pending: list[tuple[Request, Sink]] = []
         self._aborts: list[str] = []
+        self._cancel_all = False
         self._sinks: dict[str, Sink] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -56,20 +57,32 @@ class EngineLoop:
             self._aborts.append(request_id)
             self._cv.notify()
 
+    def cancel_all(self) -> None:
+        """At the next step boundary, end every request with finish reason "cancelled"
+        (its sink gets a last StepOutput) and release its sequence on the services (a
+        draining server whose grace is running out)."""
+        with self._cv:
+            self._cancel_all = True
+            self._cv.notify()
+
     def _take_commands(self) -> tuple[list[tuple[Request, Sink]], list[str]] | None:
         with self._cv:
-            while not (self._stopped or self._pending or self._aborts
+            while not (self._stopped or self._pending or self._aborts or self._cancel_all
                        or self.engine.has_unfinished()):
                 self._cv.wait()
             if self._stopped:
                 return None
             pending, aborts = self._pending, self._aborts
             self._pending, self._aborts = [], []
-            return pending, aborts
+            cancel_all, self._cancel_all = self._cancel_all, False
+            return pending, aborts, cancel_all
 
     def _run(self) -> None:
         while (commands := self._take_commands()) is not None:
-            pending, aborts = commands
+            pending, aborts, cancel_all = commands
+            if cancel_all:
+                self._cancel(pending)
+                pending = []
             for request_id in aborts:
                 self._sinks.pop(request_id, None)
                 self._guard(self.engine.abort, request_id)
@@ -102,6 +115,15 @@ class EngineLoop:
                 self._sinks.pop(out.request_id, None)
         if self.on_step:
             self.on_step(self.engine.last_step)
+
+    def _cancel(self, pending: list[tuple[Request, Sink]]) -> None:
+        for request, sink in pending:
+            sink(StepOutput(request.request_id, [], "cancelled", RequestStats()))
+        for request_id, seq in list(self.engine.running.items()):
+            self._guard(self.engine.abort, request_id)
+            sink = self._sinks.pop(request_id, None)
+            if sink:
+                sink(StepOutput(request_id, [], "cancelled", seq.stats))
 
     def _oldest_trace_context(self):
         return next((s.request.trace_context for s in self.engine.running.values()

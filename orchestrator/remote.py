@@ -9,13 +9,12 @@ no span and send no context."""
 
 from __future__ import annotations
 
-import time
+import json
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import tracing, wire
-from specdecode.health import wait_serving
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
@@ -28,26 +27,29 @@ class ServiceUnreachableError(RuntimeError):
     pass
 
 
-def connect(role: str, address: str, options: list[tuple[str, int]],
-            timeout_s: float) -> grpc.Channel:
-    """A channel to a service that reports SERVING, or ServiceUnreachableError naming the
-    role and address. (A service opens its port before its model is loaded and answers
-    UNAVAILABLE until then, so a reachable port is not enough.)"""
-    deadline = time.monotonic() + timeout_s
-    channel = grpc.insecure_channel(address, options=options)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise ServiceUnreachableError(
-            f"cannot reach the {role} at {address} within {timeout_s:.0f}s "
-            f"(is `specdecode serve {role}` running there?)") from None
-    if not wait_serving(channel, deadline - time.monotonic()):
-        channel.close()
-        raise ServiceUnreachableError(
-            f"the {role} at {address} did not report SERVING within {timeout_s:.0f}s "
-            f"(still loading its model?)")
-    return channel
+# Keepalive pings find a peer that vanished without closing its connections (a host that
+# froze or dropped off the network) in KEEPALIVE_TIME + KEEPALIVE_TIMEOUT seconds; the
+# servers permit pings this often (specdecode.server.KEEPALIVE_SERVER_OPTIONS).
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 3000),
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.max_pings_without_data", 0)]
+
+# gRPC's own retries, for the idempotent housekeeping calls only: a step call that fails is
+# retried by the orchestrator on another replica (orchestrator.replicas), not on this one.
+_RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": f"specdecode.v1.{service}", "method": method}
+             for service in ("ProposerService", "ScorerService")
+             for method in ("GetModelInfo", "ReleaseSequences")],
+    "retryPolicy": _RETRY_POLICY}]})
+
+
+def open_channel(address: str, options: list[tuple[str, int]]) -> grpc.Channel:
+    """The one place the orchestrator opens a channel to a proposer or scorer replica."""
+    return grpc.insecure_channel(address, options=[
+        *options, *KEEPALIVE_OPTIONS, ("grpc.enable_retries", 1),
+        ("grpc.service_config", SERVICE_CONFIG)])
 
 
 class _RequestEncoding:
@@ -58,32 +60,38 @@ class _RequestEncoding:
         self._last: tuple[ExecuteModelRequest, sequence_pb2.ExecuteModelRequest] | None = None
 
     def __call__(self, req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelRequest:
-        if self._last is None or self._last[0] is not req:
-            self._last = (req, wire.request_to_proto(req))
-        return self._last[1]
+        last = self._last  # one read: replicas' calls may encode from several threads
+        if last is None or last[0] is not req:
+            last = self._last = (req, wire.request_to_proto(req))
+        return last[1]
 
 
-_encode_request = _RequestEncoding()  # used from the engine thread only
+_encode_request = _RequestEncoding()
 
 
 class _Remote:
+    """A client of one replica. Calls fail fast when the replica is unreachable (no
+    wait_for_ready: the caller moves the work elsewhere) and carry a deadline: `timeout`
+    per call, else timeout_s."""
+
     service = ""  # the full gRPC service name
 
     def __init__(self, channel: grpc.Channel, stub, timeout_s: float, address: str = ""):
+        self.channel = channel
         self.stub, self.timeout_s = stub(channel), timeout_s
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peer = address
 
-    def _call(self, name: str, request):
+    def _call(self, name: str, request, timeout: float | None = None):
         with tracing.child_span(f"{self.service}/{name}", {
                 "rpc.system": "grpc", "rpc.service": self.service, "rpc.method": name,
                 "server.address": self.peer}, kind=SpanKind.CLIENT,
                 tracer_name="specdecode.client") as span:
             try:
-                response = getattr(self.stub, name)(request, timeout=self.timeout_s,
-                                                    wait_for_ready=True,
-                                                    metadata=tracing.trace_metadata())
+                response = getattr(self.stub, name)(
+                    request, timeout=self.timeout_s if timeout is None else timeout,
+                    metadata=tracing.trace_metadata())
             except grpc.RpcError as exc:
                 if span.is_recording() and isinstance(exc, grpc.Call):
                     span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
@@ -100,7 +108,7 @@ class _Remote:
 
     def model_info(self) -> ModelInfo:
         info = self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(),
-                                      timeout=self.timeout_s, wait_for_ready=True)
+                                      timeout=self.timeout_s)
         return wire.model_info_from_proto(info)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
@@ -116,10 +124,11 @@ class RemoteProposer(_Remote, SpeculativeProposer):
     def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = ""):
         super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s, address)
 
-    def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
+    def get_proposals(self, execute_model_req: ExecuteModelRequest,
+                      timeout: float | None = None) -> SpeculativeProposals:
         request = proposer_service_pb2.GetProposalsRequest(
             request=_encode_request(execute_model_req))
-        response = self._call("GetProposals", request)
+        response = self._call("GetProposals", request, timeout)
         return wire.proposals_from_proto(response.proposals, "proposals",
                                          batch_size=len(execute_model_req.seq_group_metadata_list))
 
@@ -131,11 +140,12 @@ class RemoteScorer(_Remote, SpeculativeScorer):
         super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s, address)
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
-                        proposals: SpeculativeProposals) -> SpeculativeScores:
+                        proposals: SpeculativeProposals,
+                        timeout: float | None = None) -> SpeculativeScores:
         request = scorer_service_pb2.ScoreProposalsRequest(
             request=_encode_request(execute_model_req),
             proposals=wire.proposals_to_proto(proposals))
-        response = self._call("ScoreProposals", request)
+        response = self._call("ScoreProposals", request, timeout)
         return wire.scores_from_proto(response.scores, "scores",
                                       batch_size=len(execute_model_req.seq_group_metadata_list),
                                       num_positions=execute_model_req.num_lookahead_slots + 1)

@@ -7,9 +7,11 @@ and so on)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
+from orchestrator.deadlines import ResilienceOptions
 from specdecode.server import ServerOptions, serve_deferred
 from specdecode.v1 import spec_decode_service_pb2, spec_decode_service_pb2_grpc
 
@@ -19,28 +21,30 @@ log = logging.getLogger(__name__)
 async def serve_orchestrator(options: ServerOptions, proposer_address: str, scorer_address: str,
                              tokenizer: str | None, num_speculative_tokens: int,
                              connect_timeout_s: float = 60.0,
-                             default_max_tokens: int = 256, trace_every: int = 1) -> None:
-    """Connect to both services and check them (ServiceUnreachableError or
+                             default_max_tokens: int = 256, trace_every: int = 1,
+                             resilience: ResilienceOptions = ResilienceOptions()) -> None:
+    """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
-    trace_every: keep every Nth step span (1 = all, 0 = request spans only)."""
+    trace_every: keep every Nth step span (1 = all, 0 = request spans only).
+
+    Health follows the scorer: NOT_SERVING while no scorer replica is up. On SIGTERM,
+    requests still running shortly before the grace ends finish as "cancelled" and their
+    sequences are released on the services."""
     from orchestrator.engine import SpecDecodeEngine
     from orchestrator.engine_loop import EngineLoop
+    from orchestrator.fanout import connect_services
     from orchestrator.metrics import StepMetrics
-    from orchestrator.remote import RemoteProposer, RemoteScorer, connect
     from orchestrator.servicer import SpecDecodeServicer
     from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
-    loops: list[EngineLoop] = []
+    parts: dict = {}
 
     def load():
-        channels = options.channel_options
-        proposer = RemoteProposer(
-            connect("proposer", proposer_address, channels, connect_timeout_s),
-            address=proposer_address)
-        scorer = RemoteScorer(connect("scorer", scorer_address, channels, connect_timeout_s),
-                              address=scorer_address)
-        p_info, s_info = proposer.model_info(), scorer.model_info()
+        proposer, scorer, p_info, s_info = connect_services(
+            proposer_address, scorer_address, options.channel_options, resilience,
+            connect_timeout_s)
+        parts["services"] = (proposer, scorer)
         check_compatible(p_info, s_info)
         tok = None
         if tokenizer != "none":
@@ -51,15 +55,33 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                                   num_speculative_tokens=num_speculative_tokens,
                                   trace_every=trace_every)
         log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
-        loops.append(EngineLoop(engine, on_step=StepMetrics(engine, log_interval)))
-        loops[0].start()
-        log.info("orchestrator ready: proposer %s, scorer %s", p_info.model_name, s_info.model_name)
-        return {"loop": loops[0], "tokenizer": tok}
+        parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval))
+        parts["loop"].start()
+        log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
+                 p_info.model_name, s_info.model_name)
+        return {"loop": parts["loop"], "tokenizer": tok}
+
+    def follow_scorer(server) -> None:
+        loop = asyncio.get_running_loop()
+        scorers = parts["services"][1].replicas
+
+        def on_change(up: int) -> None:
+            asyncio.run_coroutine_threadsafe(server.set_serving(up > 0), loop)
+        scorers.listeners.append(on_change)
+        on_change(scorers.up_count())
+
+    async def cancel_before_grace_ends(grace_s: float) -> None:
+        await asyncio.sleep(max(0.0, grace_s - min(1.0, grace_s / 4)))
+        log.warning("grace period ending: cancelling the requests still running")
+        parts["loop"].cancel_all()
 
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
-                             SpecDecodeServicer(default_max_tokens), load, start_traces=True)
+                             SpecDecodeServicer(default_max_tokens), load, start_traces=True,
+                             after_serving=follow_scorer, on_drain=cancel_before_grace_ends)
     finally:
-        for loop in loops:
-            loop.stop()
+        if "loop" in parts:
+            parts["loop"].stop()
+        for service in parts.get("services", ()):
+            service.close()

@@ -13,6 +13,7 @@ import grpc
 from orchestrator import metrics
 from orchestrator.engine import Request, StepOutput
 from orchestrator.engine_loop import EngineLoop
+from orchestrator.replicas import ServiceUnavailableError
 from orchestrator.text import TextStream
 from specdecode import tracing
 from specdecode.sequence import InvalidRequestError, SamplingParams
@@ -90,6 +91,9 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
             metrics.REQUESTS.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         metrics.PROMPT.inc(len(req.prompt_token_ids))
+        remaining = context.time_remaining()
+        if remaining is not None:  # the client's deadline bounds the internal calls too
+            req.deadline = time.monotonic() + remaining
         span = tracing.RequestSpan("spec_decode.request", {
             "specdecode.request_id": req.request_id,
             "specdecode.prompt_tokens": len(req.prompt_token_ids),
@@ -166,6 +170,6 @@ def _span_attributes(req: Request, output: list[int], stats, finish_reason: str)
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, grpc.RpcError):  # a proposer/scorer call failed
+    if isinstance(exc, (grpc.RpcError, ServiceUnavailableError)):  # a service failed
         return grpc.StatusCode.UNAVAILABLE
     return grpc_status_of(exc)

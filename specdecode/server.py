@@ -39,6 +39,13 @@ SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLIN
                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 
+# Let the orchestrator's keepalive pings through (every 5 s, also between calls), instead of
+# answering them with GOAWAY "too_many_pings" (orchestrator.remote.KEEPALIVE_OPTIONS).
+KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
+                            ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+                            ("grpc.http2.max_ping_strikes", 0)]
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
@@ -249,7 +256,7 @@ class GrpcServer:
     def __init__(self, options: ServerOptions, service_names: list[str],
                  start_traces: bool = True):
         self.options = options
-        self.server = grpc.aio.server(options=options.channel_options,
+        self.server = grpc.aio.server(options=options.channel_options + KEEPALIVE_SERVER_OPTIONS,
                                       interceptors=[ServerTracing(start_traces)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -273,16 +280,25 @@ class GrpcServer:
             loop.add_signal_handler(sig, self._stopping.set)
         log.info("listening on %s:%d", self.options.host, self.port)
 
-    async def set_serving(self) -> None:
-        await self._set_status(health_pb2.HealthCheckResponse.SERVING)
+    async def set_serving(self, serving: bool = True) -> None:
+        """SERVING or NOT_SERVING (e.g. while a server it depends on is down); once
+        draining, it stays NOT_SERVING."""
+        if not self._stopping.is_set():
+            await self._set_status(health_pb2.HealthCheckResponse.SERVING if serving
+                                   else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def wait_for_termination(self) -> None:
+    async def wait_for_termination(self, on_drain=None) -> None:
         """Block until SIGTERM/SIGINT, then drain: refuse new calls (UNAVAILABLE), let
-        in-flight calls finish within the grace period, and return."""
+        in-flight calls finish within the grace period, and return. `on_drain(grace)`, a
+        coroutine function, runs while draining (it may end calls before the grace does)."""
         await self._stopping.wait()
         log.info("draining for up to %.1fs", self.options.grace_seconds)
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        drain = None if on_drain is None else asyncio.ensure_future(
+            on_drain(self.options.grace_seconds))
         await self.server.stop(self.options.grace_seconds)
+        if drain is not None:
+            drain.cancel()
         log.info("stopped")
 
     def request_stop(self) -> None:
@@ -295,11 +311,14 @@ def _service_name(module) -> str:
 
 
 async def serve_deferred(options: ServerOptions, service_module, add, servicer: Deferred,
-                         load: Callable[[], dict], start_traces: bool = False) -> None:
+                         load: Callable[[], dict], start_traces: bool = False,
+                         after_serving: Callable[[GrpcServer], None] | None = None,
+                         on_drain=None) -> None:
     """Serve `servicer` (added to the server by `add`, the generated add_*_to_server) with
     health NOT_SERVING while `load` runs (in a thread); attach what it returns, report
     SERVING, and drain on SIGTERM. Only the public API starts traces; the proposer and
-    scorer continue their caller's."""
+    scorer continue their caller's. after_serving(server) runs once SERVING; on_drain(grace)
+    runs while draining (GrpcServer.wait_for_termination)."""
     server = GrpcServer(options, [_service_name(service_module)], start_traces=start_traces)
     add(servicer, server.server)
     await server.start()
@@ -309,4 +328,6 @@ async def serve_deferred(options: ServerOptions, service_module, add, servicer: 
         await server.server.stop(None)
         raise
     await server.set_serving()
-    await server.wait_for_termination()
+    if after_serving is not None:
+        after_serving(server)
+    await server.wait_for_termination(on_drain)

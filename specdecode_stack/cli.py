@@ -147,8 +147,12 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, lo
 
 
 @serve.command("orchestrator")
-@opt("--proposer", default="127.0.0.1:50052", help="Proposer address HOST:PORT.")
-@opt("--scorer", default="127.0.0.1:50053", help="Scorer address HOST:PORT.")
+@opt("--proposer", default="127.0.0.1:50052",
+     help="Proposer replicas: HOST:PORT[,HOST:PORT...]; a name resolving to several addresses "
+          "(a headless Service) is one replica per address.")
+@opt("--scorer", default="127.0.0.1:50053",
+     help="Scorer replicas: HOST:PORT[,HOST:PORT...]; a name resolving to several addresses "
+          "(a headless Service) is one replica per address.")
 @opt("--tokenizer", default="default",
      help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
 @opt("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
@@ -160,16 +164,34 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, lo
 @opt("--trace-steps", default="all", callback=_trace_steps,
      help="Which step spans to keep when tracing: all, none (request spans only) or N "
           "(every Nth step).")
+@opt("--proposer-timeout", default=0.0, type=click.FloatRange(0),
+     help="Seconds a step waits for its proposals; past it the step goes on without "
+          "speculation (same output). 0 = sized from the step's work.")
+@opt("--scorer-timeout", default=0.0, type=click.FloatRange(0),
+     help="Seconds one scoring call may take before it is retried on another replica. "
+          "0 = sized from the step's work.")
+@opt("--scorer-retry-timeout", default=10.0, type=click.FloatRange(0),
+     help="Seconds a step retries failed scoring calls (with back-off, on the replicas up) "
+          "before its streams fail with UNAVAILABLE.")
+@opt("--health-interval", default=1.0, type=click.FloatRange(0.05),
+     help="Seconds between health checks of every proposer and scorer replica (a replica "
+          "that failed rejoins after one).")
+@opt("--resolve-interval", default=10.0, type=click.FloatRange(0.1),
+     help="Seconds between DNS look-ups of --proposer and --scorer (replicas come and go).")
 @server_options(50051)
 @telemetry_options
 def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
-                       default_max_tokens, trace_steps, trace_console, log_format,
-                       **server) -> None:
+                       default_max_tokens, trace_steps, proposer_timeout, scorer_timeout,
+                       scorer_retry_timeout, health_interval, resolve_interval, trace_console,
+                       log_format, **server) -> None:
     """The orchestrator: the public SpecDecodeService API."""
+    from orchestrator.deadlines import ResilienceOptions
     from orchestrator.serve import serve_orchestrator as run
+    resilience = ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
+                                   health_interval, resolve_interval)
     _run_server("orchestrator", lambda: run(_server(**server), proposer, scorer, tokenizer,
                                             num_speculative_tokens, connect_timeout,
-                                            default_max_tokens, trace_steps),
+                                            default_max_tokens, trace_steps, resilience),
                 trace_console, log_format)
 
 

@@ -1,0 +1,83 @@
+"""Deadlines of the orchestrator's internal calls (DESIGN invariant 6: no request waits on a
+dead peer).
+
+Every proposer and scorer call has a timeout. Unless an option fixes it, the timeout is sized
+from the step's work: a floor plus a safety factor times the tokens the call asks for at the
+per-token time observed on earlier successful calls (a moving average). A step's calls
+never outlive the latest client deadline among its requests: the engine sets that bound
+around the step (`bounded_by`), and the clients read it (`remaining`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from specdecode.sequence import ExecuteModelRequest
+
+# The latest client deadline (time.monotonic()) of the running step's requests; None when
+# some request has none (then only the call timeouts bound the step).
+_step_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "specdecode_step_deadline", default=None)
+
+
+@contextmanager
+def bounded_by(deadline: float | None) -> Iterator[None]:
+    token = _step_deadline.set(deadline)
+    try:
+        yield
+    finally:
+        _step_deadline.reset(token)
+
+
+def remaining() -> float | None:
+    """Seconds left before the step's client deadline, or None when there is none."""
+    deadline = _step_deadline.get()
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def step_tokens(req: ExecuteModelRequest) -> int:
+    """Tokens a step asks a service to compute at most: a prompt's whole length on its first
+    step (a service may also have lost its cache), the k+1 scored positions afterwards."""
+    k = req.num_lookahead_slots
+    return sum(sg.data.get_len() if sg.is_prompt else k + 1
+               for sg in req.seq_group_metadata_list)
+
+
+@dataclass
+class CallTimeout:
+    """The timeout of one kind of call. fixed_s > 0 fixes it; else
+    floor_s + factor x (seconds per token, moving average) x tokens."""
+
+    fixed_s: float = 0.0
+    floor_s: float = 2.0
+    factor: float = 4.0
+    seconds_per_token: float = 0.05  # a first guess (SmolLM2 on 2 CPU cores), then observed
+    smoothing: float = 0.2
+
+    def timeout(self, tokens: int) -> float:
+        if self.fixed_s > 0:
+            budget = self.fixed_s
+        else:
+            budget = self.floor_s + self.factor * self.seconds_per_token * tokens
+        left = remaining()
+        return budget if left is None else max(0.0, min(budget, left))
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """Record a successful call."""
+        if tokens > 0:
+            self.seconds_per_token += self.smoothing * (seconds / tokens - self.seconds_per_token)
+
+
+@dataclass(frozen=True)
+class ResilienceOptions:
+    """Deadlines, retries and replica checks (the orchestrator's CLI options)."""
+
+    proposer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
+    scorer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
+    scorer_retry_s: float = 10.0  # how long a step retries its scorer calls
+    health_interval_s: float = 1.0  # replica health checks
+    resolve_interval_s: float = 10.0  # DNS re-resolution of the service names
