@@ -33,6 +33,11 @@ class ServiceUnreachableError(RuntimeError):
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 3000),
                      ("grpc.keepalive_permit_without_calls", 1),
                      ("grpc.http2.max_pings_without_data", 0)]
+# A replica that restarts is reconnected to within a second (gRPC's default back-off grows
+# to two minutes, which would keep a recovered replica out that long).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 # gRPC's own retries, for the idempotent housekeeping calls only: a step call that fails is
 # retried by the orchestrator on another replica (orchestrator.replicas), not on this one.
@@ -48,7 +53,7 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
 def open_channel(address: str, options: list[tuple[str, int]]) -> grpc.Channel:
     """The one place the orchestrator opens a channel to a proposer or scorer replica."""
     return grpc.insecure_channel(address, options=[
-        *options, *KEEPALIVE_OPTIONS, ("grpc.enable_retries", 1),
+        *options, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
         ("grpc.service_config", SERVICE_CONFIG)])
 
 

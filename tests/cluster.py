@@ -1,0 +1,108 @@
+"""Service processes on 127.0.0.1 that tests start, kill and restart one by one: scorer and
+proposer replicas and orchestrators, each on a fixed port (a restarted replica comes back
+at the same address), each with a /metrics endpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from orchestrator.stack import free_port, wait_serving
+
+
+class Cluster:
+    def __init__(self, model_dirs: dict[str, str], log_dir: Path, *, scorers: int = 1,
+                 draft: str = "draft", k: int = 3, orchestrator_args: tuple[str, ...] = ()):
+        self.dirs, self.log_dir, self.k = model_dirs, log_dir, k
+        self.draft = model_dirs.get(draft, draft)
+        self.orchestrator_args = orchestrator_args
+        self.ports: dict[str, int] = {}
+        self.metrics_ports: dict[str, int] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.scorers = [f"scorer{i}" for i in range(scorers)]
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def _spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        self.ports.setdefault(name, free_port())
+        self.metrics_ports.setdefault(name, free_port())
+        # Several processes share the cores: OpenMP threads sleep rather than spin.
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
+               "--port", str(self.ports[name]), "--metrics-port", str(self.metrics_ports[name]),
+               "--log-format", "text", *args]
+        with open(self.log_dir / f"{name}.log", "a") as log:
+            self.processes[name] = subprocess.Popen(cmd, env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT)
+        return self.processes[name]
+
+    def start_service(self, name: str, wait: bool = True) -> None:
+        if name.startswith("scorer"):
+            process = self._spawn(name, "scorer", "--model", self.dirs["target"],
+                                  "--device", "cpu", "--scoring", "batch-expansion")
+        else:
+            process = self._spawn(name, "proposer", "--model", self.draft, "--device", "cpu")
+        if wait:
+            wait_serving(self.address(name), 120, process)
+
+    def start_orchestrator(self, name: str = "orchestrator", *args: str) -> None:
+        process = self._spawn(
+            name, "orchestrator", "--proposer", self.address("proposer"),
+            "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
+            "--num-speculative-tokens", str(self.k), "--health-interval", "0.5",
+            *self.orchestrator_args, *args)
+        wait_serving(self.address(name), 120, process)
+
+    def start(self) -> Cluster:
+        for name in [*self.scorers, "proposer"]:
+            self.start_service(name, wait=False)
+        for name in [*self.scorers, "proposer"]:
+            wait_serving(self.address(name), 120, self.processes[name])
+        self.start_orchestrator()
+        return self
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes[name]
+        process.send_signal(sig)
+        process.wait(60)
+
+    def stop(self) -> dict[str, int]:
+        codes = {}
+        for name in sorted(self.processes, key=lambda n: not n.startswith("orchestrator")):
+            process = self.processes[name]
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                codes[name] = process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes[name] = process.wait()
+        return codes
+
+    def metrics(self, name: str) -> str:
+        url = f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+
+    def metric(self, name: str, metric: str, labels: str = "") -> float:
+        """One sample's value (0 when absent); labels: a substring of its label set."""
+        total = 0.0
+        for line in self.metrics(name).splitlines():
+            m = re.match(rf"^{re.escape(metric)}(\{{[^}}]*\}})? (\S+)$", line)
+            if m and labels in (m.group(1) or ""):
+                total += float(m.group(2))
+        return total
+
+    def wait_for(self, predicate, timeout_s: float, what: str) -> float:
+        """Poll until predicate() holds; seconds it took (AssertionError naming `what`)."""
+        start = time.monotonic()
+        while not predicate():
+            assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s}s"
+            time.sleep(0.1)
+        return time.monotonic() - start
