@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from orchestrator.stack import free_port, wait_serving
+from specdecode_stack.local import free_port, wait_process_serving
 
 
 class Cluster:
@@ -35,7 +35,7 @@ class Cluster:
         self.metrics_ports.setdefault(name, free_port())
         # Several processes share the cores: OpenMP threads sleep rather than spin.
         env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "orchestrator.cli", "serve", role, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
                "--port", str(self.ports[name]), "--metrics-port", str(self.metrics_ports[name]),
                "--log-format", "text", *args]
         with open(self.log_dir / f"{name}.log", "a") as log:
@@ -50,7 +50,7 @@ class Cluster:
         else:
             process = self._spawn(name, "proposer", "--model", self.draft, "--device", "cpu")
         if wait:
-            wait_serving(self.address(name), 120, process)
+            wait_process_serving(self.address(name), 120, process)
 
     def start_orchestrator(self, name: str = "orchestrator", *args: str) -> None:
         process = self._spawn(
@@ -58,13 +58,13 @@ class Cluster:
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
             "--num-speculative-tokens", str(self.k), "--health-interval", "0.5",
             *self.orchestrator_args, *args)
-        wait_serving(self.address(name), 120, process)
+        wait_process_serving(self.address(name), 120, process)
 
     def start(self) -> Cluster:
         for name in [*self.scorers, "proposer"]:
             self.start_service(name, wait=False)
         for name in [*self.scorers, "proposer"]:
-            wait_serving(self.address(name), 120, self.processes[name])
+            wait_process_serving(self.address(name), 120, self.processes[name])
         self.start_orchestrator()
         return self
 

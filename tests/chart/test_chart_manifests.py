@@ -33,7 +33,8 @@ CLI_FLAGS = {
     "scorer": {"--model", "--device", "--dtype", "--scoring", "--host", "--port", "--metrics-port",
                "--grace-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
-                     "--metrics-port", "--grace-seconds", "--max-message-mb"},
+                     "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
+                     "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval"},
 }
 
 
@@ -548,9 +549,12 @@ def test_autoscaling(rendered):
         assert "replicas" not in by_name(docs, "Deployment", name)["spec"], "the HPA owns replicas"
         assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
         assert hpa["spec"]["metrics"]
-    assert deployment(docs, "scorer")["spec"]["replicas"] == 1
+    assert deployment(docs, "scorer")["spec"]["replicas"] == 3
     orchestrator = hpas[component_name("orchestrator")]
-    assert {m["resource"]["name"] for m in orchestrator["spec"]["metrics"]} == {"cpu", "memory"}
+    # Scaled on its load (running sequences per pod), not on CPU.
+    assert orchestrator["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "specdecode_running_sequences"},
+        "target": {"type": "AverageValue", "averageValue": "32"}}}]
     assert orchestrator["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
     assert not of_kind(rendered["default"], "HorizontalPodAutoscaler")
     assert by_name(docs, "PodDisruptionBudget", component_name("proposer"))["spec"] == {
@@ -583,3 +587,27 @@ def test_long_release_names_stay_within_dns_limits(helm):
     for d in docs:
         name = d["metadata"]["name"]
         assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+
+
+def test_three_scorer_replicas_behind_headless_services(helm):
+    """The proposer's and scorer's Services are headless, so their names resolve to every
+    ready pod and the orchestrator routes to each as a replica; a budget keeps a scorer up."""
+    docs = helm.render(sets=["scorer.replicaCount=3"])
+    assert deployment(docs, "scorer")["spec"]["replicas"] == 3
+    for component in ("proposer", "scorer"):
+        svc = by_name(docs, "Service", component_name(component))
+        assert svc["spec"]["clusterIP"] == "None" and "type" not in svc["spec"]
+    assert by_name(docs, "Service", ORCHESTRATOR_SERVICE)["spec"]["type"] == "ClusterIP"
+    flags = args_map(server(docs, "orchestrator"))
+    assert flags["--scorer"] == f"{component_name('scorer')}.{NAMESPACE}.svc:50053"
+    assert float(flags["--resolve-interval"]) <= 10, "pods that come and go are seen soon"
+    pdb = by_name(docs, "PodDisruptionBudget", component_name("scorer"))["spec"]
+    assert pdb["minAvailable"] == 1 and "maxUnavailable" not in pdb
+
+
+def test_fault_settings_reach_the_orchestrator(helm):
+    docs = helm.render(sets=["orchestrator.faults.proposerTimeoutSeconds=2",
+                             "orchestrator.faults.scorerRetryTimeoutSeconds=30"])
+    flags = args_map(server(docs, "orchestrator"))
+    assert flags["--proposer-timeout"] == "2" and flags["--scorer-retry-timeout"] == "30"
+    assert flags["--scorer-timeout"] == "0"  # sized from each step's work

@@ -339,8 +339,8 @@ Checks on values that the schema cannot express; rendering fails with a clear me
 {{- if gt (int .minReplicas) (int .maxReplicas) }}
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than maxReplicas (%d)" $c (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
-{{- if and (eq (int .targetCPUUtilizationPercentage) 0) (eq (int .targetMemoryUtilizationPercentage) 0) }}
-{{- fail (printf "%s.autoscaling is enabled but has no target: set targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" $c) }}
+{{- if and (eq (int .targetCPUUtilizationPercentage) 0) (eq (int .targetMemoryUtilizationPercentage) 0) (eq (int (.runningSequencesPerPod | default 0)) 0) }}
+{{- fail (printf "%s.autoscaling is enabled but has no target: set %stargetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" $c (ternary "runningSequencesPerPod, " "" (eq $c "orchestrator"))) }}
 {{- end }}
 {{- end }}
 {{- end }}
