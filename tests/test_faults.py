@@ -51,8 +51,9 @@ def reference(target_model):
 
 
 def stream(address: str, prompt: list[int], max_tokens: int, **params):
-    """(tokens, arrival time of each message, finish reason, usage) of one stream."""
-    tokens, times, finish, usage = [], [], None, None
+    """(tokens, start and arrival time of each message, finish reason, usage) of one
+    stream."""
+    tokens, times, finish, usage = [], [time.monotonic()], None, None
     with SpecDecodeClient(address) as client:
         for response in client.stream(prompt, max_tokens=max_tokens, **params):
             tokens += response.token_ids
@@ -157,13 +158,33 @@ def test_proposer_kill_falls_back_and_resumes(pair, reference):
 
     # Speculation is back once a request gets draft tokens again.
     def speculates() -> bool:
-        with SpecDecodeClient(address) as client:
-            return client.generate(PROMPTS[5], max_tokens=8).usage["draft_tokens"] > 0
+        return stream(address, PROMPTS[5], 8)[3].draft_tokens > 0
     resumed = pair.wait_for(speculates, 5, "speculation resumes after the restart")
     gaps = [max_gap(times) for _, times in results]
     print(f"\nproposer down {serving - killed:.1f}s, {fallback:.0f} fallback steps, "
           f"largest token gap {max(gaps):.2f}s (bound {2 * PROPOSER_TIMEOUT_S}s), "
           f"speculation resumed {resumed:.2f}s after SERVING")
+
+
+def test_stalled_proposer_costs_one_step_deadline(pair, reference):
+    """A proposer that hangs (SIGSTOP: its socket accepts, nothing answers) costs one step
+    deadline, after which steps go on without it; it is back once it answers again."""
+    address = pair.address("orchestrator")
+    pair.processes["proposer"].send_signal(signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda i: stream(address, PROMPTS[i], 60), range(2)))
+    finally:
+        pair.processes["proposer"].send_signal(signal.SIGCONT)
+    for i, (tokens, times, *_) in enumerate(results):
+        assert tokens == reference(i)[:60], i
+        assert max_gap(times) <= 2 * PROPOSER_TIMEOUT_S, (i, max_gap(times))
+
+    def speculates() -> bool:
+        return stream(address, PROMPTS[5], 8)[3].draft_tokens > 0
+    resumed = pair.wait_for(speculates, 10, "speculation resumes after SIGCONT")
+    print(f"\nstalled proposer: largest token gap {max(max_gap(t) for _, t, *_ in results):.2f}s "
+          f"(deadline {PROPOSER_TIMEOUT_S}s), speculation back {resumed:.2f}s after SIGCONT")
 
 
 def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
