@@ -24,6 +24,10 @@ _step_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "specdecode_step_deadline", default=None)
 
 
+class DeadlinePassedError(RuntimeError):
+    """Every request of the step is past its client's deadline (DEADLINE_EXCEEDED)."""
+
+
 @contextmanager
 def bounded_by(deadline: float | None) -> Iterator[None]:
     token = _step_deadline.set(deadline)

@@ -22,7 +22,8 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from orchestrator import deadlines
-from orchestrator.deadlines import CallTimeout, ResilienceOptions, step_tokens
+from orchestrator.deadlines import (CallTimeout, DeadlinePassedError, ResilienceOptions,
+                                    step_tokens)
 from orchestrator.remote import RemoteProposer, RemoteScorer
 from orchestrator.replicas import ReplicaSet, ServiceUnavailableError
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
@@ -69,34 +70,46 @@ class _Routed:
     def __init__(self, replicas: ReplicaSet, timeout: CallTimeout):
         self.replicas, self.timeout = replicas, timeout
 
+    # Which failures take a replica out (and, for the scorer, are retried elsewhere).
+    replica_failure = staticmethod(_retryable)
+
     def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call) -> tuple[
             dict[str, tuple[list[int], object]], dict[str, tuple[list[int], BaseException]]]:
         """Route `rows` of the batch and run call(client, sub_request, rows, timeout) per
-        replica in parallel: ({replica: (rows, result)}, {replica: (rows, error)})."""
+        replica in parallel: ({replica: (rows, result)}, {replica: (rows, error)}).
+        DeadlinePassedError once the step's client deadline has passed."""
         groups = req.seq_group_metadata_list
-        plan = self.replicas.route([groups[i].seq_id for i in rows])
         futures = {}
-        for address, positions in plan.items():
+        for address, (positions, client) in self.replicas.route(
+                [groups[i].seq_id for i in rows]).items():
             sub_rows = [rows[p] for p in positions]
             sub = _sub_request(req, sub_rows)
-            futures[address] = (sub_rows, sub, self.replicas.pool.submit(
-                self._timed, call, self.replicas.client(address), sub, sub_rows))
+            tokens = step_tokens(sub)
+            timeout = self.timeout.timeout(tokens)  # here: the deadline lives in this thread
+            if timeout <= 0:
+                raise DeadlinePassedError("the deadline of every request in the step passed")
+            futures[address] = (sub_rows, self.replicas.pool.submit(
+                self._timed, call, client, sub, sub_rows, timeout, tokens))
         done, failed = {}, {}
-        for address, (sub_rows, sub, future) in futures.items():
+        for address, (sub_rows, future) in futures.items():
             try:
                 done[address] = (sub_rows, future.result())
                 self.replicas.succeeded(address)
             except Exception as exc:
-                if not _retryable(exc):
+                left = deadlines.remaining()
+                if left is not None and left <= 0:  # the clients' deadline, not the replica's
+                    raise DeadlinePassedError(
+                        "the deadline of every request in the step passed") from exc
+                if not self.replica_failure(exc):
                     raise
                 self.replicas.failed(address, exc)
                 failed[address] = (sub_rows, exc)
         return done, failed
 
-    def _timed(self, call, client, sub: ExecuteModelRequest, rows: list[int]):
-        tokens = step_tokens(sub)
+    def _timed(self, call, client, sub: ExecuteModelRequest, rows: list[int], timeout: float,
+               tokens: int):
         start = time.monotonic()
-        result = call(client, sub, rows, self.timeout.timeout(tokens))
+        result = call(client, sub, rows, timeout)
         self.timeout.observe(time.monotonic() - start, tokens)
         return result
 
@@ -159,7 +172,7 @@ class RoutedScorer(_Routed, SpeculativeScorer):
                 break
             left = deadlines.remaining()
             if left is not None and left <= 0:
-                raise self._unavailable("the clients' deadline passed")
+                raise DeadlinePassedError("the deadline of every request in the step passed")
             if time.monotonic() >= give_up:
                 raise self._unavailable(f"retried for {self.retry_timeout_s:.0f}s "
                                         f"({last_error})")
@@ -171,6 +184,9 @@ class RoutedScorer(_Routed, SpeculativeScorer):
 
 
 class RoutedProposer(_Routed, SpeculativeProposer):
+    # Any failure of the optional proposer means no proposals from that replica this step.
+    replica_failure = staticmethod(lambda exc: True)
+
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         req = execute_model_req
         B, k = len(req.seq_group_metadata_list), req.num_lookahead_slots

@@ -229,16 +229,17 @@ class ReplicaSet:
     def describe(self) -> str:
         return f"{self.role} ({self.spec})"
 
-    def route(self, seq_ids: list[int]) -> dict[str, list[int]]:
-        """Replica address -> positions in seq_ids it serves; {} when none is up."""
+    def route(self, seq_ids: list[int]) -> dict[str, tuple[list[int], object]]:
+        """Replica address -> (positions in seq_ids it serves, its client); {} when none is
+        up."""
         with self._lock:
             ring = self._ring
-            plan: dict[str, list[int]] = {}
+            plan: dict[str, tuple[list[int], object]] = {}
             for i, seq_id in enumerate(seq_ids):
                 owner = ring.owner(seq_id)
                 if owner is None:
                     return {}
-                plan.setdefault(owner, []).append(i)
+                plan.setdefault(owner, ([], self._replicas[owner].client))[0].append(i)
                 self._owner[seq_id] = owner
                 self._touched.setdefault(seq_id, set()).add(owner)
             counts = {a: 0 for a in self._replicas}
@@ -247,10 +248,6 @@ class ReplicaSet:
         for address, n in counts.items():
             REPLICA_SEQUENCES.labels(self.role, address).set(n)
         return plan
-
-    def client(self, address: str):
-        with self._lock:
-            return self._replicas[address].client
 
     def succeeded(self, address: str) -> None:
         REPLICA_STEPS.labels(self.role, address).inc()

@@ -13,6 +13,7 @@ import grpc
 from orchestrator import metrics
 from orchestrator.engine import Request, StepOutput
 from orchestrator.engine_loop import EngineLoop
+from orchestrator.deadlines import DeadlinePassedError
 from orchestrator.replicas import ServiceUnavailableError
 from orchestrator.text import TextStream
 from specdecode import tracing
@@ -172,4 +173,6 @@ def _span_attributes(req: Request, output: list[int], stats, finish_reason: str)
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, (grpc.RpcError, ServiceUnavailableError)):  # a service failed
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, DeadlinePassedError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc_status_of(exc)
