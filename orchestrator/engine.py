@@ -23,6 +23,7 @@ import torch
 
 from orchestrator import deadlines
 from orchestrator.rejection_sampler import RejectionSampler
+from orchestrator.speculation_policy import Candidate, SpeculationPolicy
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
@@ -116,7 +117,9 @@ class StepStats:
     metrics and vLLM 0.4.2's collector both read it, see orchestrator.metrics)."""
 
     batch_size: int = 0
-    k: int = 0
+    k: int = 0  # the step's longest speculation (num_lookahead_slots)
+    ks: list[int] = field(default_factory=list)  # [B] speculation length chosen per sequence
+    scoring: str = ""  # the scoring method the policy's costs predicted ("" = not predicted)
     draft_tokens: int = 0
     # Draft tokens that passed the accept test, even after an earlier rejection in their row
     # (vLLM 0.4.2's accepted_tokens: an alignment measure; may exceed what was emitted).
@@ -168,7 +171,10 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
 class SpecDecodeEngine:
     def __init__(self, proposer: SpeculativeProposer, scorer: SpeculativeScorer, *,
                  vocab_size: int, max_model_len: int, num_speculative_tokens: int,
-                 sampler: RejectionSampler | None = None, trace_every: int = 1):
+                 sampler: RejectionSampler | None = None, trace_every: int = 1,
+                 policy: SpeculationPolicy | None = None):
+        """policy: picks each sequence's k per step (default: fixed k, every sequence
+        speculating num_speculative_tokens or its request's smaller value)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
         if trace_every < 0:
@@ -177,6 +183,7 @@ class SpecDecodeEngine:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.k = num_speculative_tokens
         self.sampler = sampler or RejectionSampler()
+        self.policy = policy or SpeculationPolicy(num_speculative_tokens, adaptive=False)
         self.running: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.trace_every = trace_every
@@ -225,13 +232,22 @@ class SpecDecodeEngine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def _group(self, seq: Sequence) -> SequenceGroupMetadata:
+    def _group(self, seq: Sequence, k: int) -> SequenceGroupMetadata:
         return SequenceGroupMetadata(
             request_id=seq.request.request_id, is_prompt=not seq.output_token_ids,
             seq_data={seq.seq_id: SequenceData(seq.request.prompt_token_ids,
                                                list(seq.output_token_ids))},
-            sampling_params=seq.request.sampling_params,
-            num_speculative_tokens=seq.request.num_speculative_tokens)
+            sampling_params=seq.request.sampling_params, num_speculative_tokens=k)
+
+    def _cap(self, seq: Sequence) -> int:
+        """The most `seq` may speculate: 0 on its prompt step (no KV state yet), else the
+        server's k, lowered by the request's own value and by the room left for k proposals
+        plus the bonus token."""
+        if not seq.output_token_ids:
+            return 0
+        own = seq.request.num_speculative_tokens
+        k = self.k if own is None else min(own, self.k)
+        return max(0, min(k, self.max_model_len - len(seq.token_ids) - 1))
 
     def _wire_bytes(self) -> tuple[int, int]:
         """Bytes sent to and received from remote services so far (0 in-process)."""
@@ -252,6 +268,8 @@ class SpecDecodeEngine:
             stats = self.last_step
             tracing.set_attributes(span, {
                 "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
+                "specdecode.chosen_k": stats.ks,
+                "specdecode.predicted_scoring": stats.scoring or None,
                 "specdecode.draft_tokens": stats.draft_tokens,
                 "specdecode.accepted_tokens": stats.accepted_tokens,
                 "specdecode.emitted_tokens": stats.emitted_tokens,
@@ -265,17 +283,23 @@ class SpecDecodeEngine:
     def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
         sent0, received0 = self._wire_bytes()
-        k = max((self.k if s.request.num_speculative_tokens is None
-                 else s.request.num_speculative_tokens) for s in seqs)
-        req = ExecuteModelRequest([self._group(s) for s in seqs], num_lookahead_slots=k)
+        plan = self.policy.plan([Candidate(s.seq_id, self._cap(s)) for s in seqs])
+        k = max(plan.ks, default=0)
+        req = ExecuteModelRequest([self._group(s, n) for s, n in zip(seqs, plan.ks)],
+                                  num_lookahead_slots=k)
         client_deadlines = [s.request.deadline for s in seqs]
         with deadlines.bounded_by(None if None in client_deadlines else max(client_deadlines)):
-            with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
-                                                  "specdecode.k": k}) as span:
-                proposals = self.proposer.get_proposals(req)
-                if span.is_recording():
-                    span.set_attribute("specdecode.draft_tokens",
-                                       int(proposals.proposal_lens.sum()))
+            if k == 0:  # plain decoding: nothing to propose
+                proposals = SpeculativeProposals(
+                    torch.full((len(seqs), 0), -1, dtype=torch.long), None,
+                    torch.zeros(len(seqs), dtype=torch.long))
+            else:
+                with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
+                                                      "specdecode.k": k}) as span:
+                    proposals = self.proposer.get_proposals(req)
+                    if span.is_recording():
+                        span.set_attribute("specdecode.draft_tokens",
+                                           int(proposals.proposal_lens.sum()))
             t_proposed = time.perf_counter()
             with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
                                                 "specdecode.k": k}):
@@ -286,12 +310,13 @@ class SpecDecodeEngine:
             tracing.set_attributes(span, {"specdecode.accepted_tokens": sum(accepted)})
         t_verified = time.perf_counter()
 
-        stats = StepStats(batch_size=len(seqs), k=k, propose_s=t_proposed - start,
-                          score_s=t_scored - t_proposed, verify_s=t_verified - t_scored,
-                          accepted_by_position=[0] * k)
+        stats = StepStats(batch_size=len(seqs), k=k, ks=list(plan.ks), scoring=plan.scoring,
+                          propose_s=t_proposed - start, score_s=t_scored - t_proposed,
+                          verify_s=t_verified - t_scored, accepted_by_position=[0] * k)
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(seqs, emitted)):
             n = int(proposals.proposal_lens[i])
+            self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
             if n:
                 prefix = len(tokens) - 1  # draft tokens emitted
                 seq.stats.draft_tokens += n
@@ -324,6 +349,8 @@ class SpecDecodeEngine:
         sent1, received1 = self._wire_bytes()
         stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
         stats.total_s = time.perf_counter() - start
+        self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
+                                 stats.score_s, stats.total_s)
         self.last_step = stats
         return outputs
 
@@ -347,6 +374,7 @@ class SpecDecodeEngine:
         """Release on both services; one failing never keeps the other's release back."""
         if seqs:
             ids = [s.seq_id for s in seqs]
+            self.policy.forget(ids)
             for service in (self.proposer, self.scorer):
                 try:
                     service.release_sequences(ids)

@@ -39,7 +39,11 @@ ACCEPTANCE_RATE = Gauge("specdecode_draft_acceptance_rate",
                         "accepted / draft tokens since start (NaN before any draft).")
 EFFICIENCY = Gauge("specdecode_system_efficiency",
                    "emitted / (speculated sequences x (k+1)) since start (NaN before any).")
-NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per step (k).")
+NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per step (k): the "
+                        "longest any sequence speculated.")
+CHOSEN_K = Histogram("specdecode_chosen_k", "Speculation length chosen per sequence and step "
+                     "(0 = plain decoding); the adaptive policy picks it from acceptance and "
+                     "measured costs.", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 BATCH = Histogram("specdecode_step_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS)
 PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase: propose, score, "
                   "verify (rejection sampling) and overhead (the rest of the step).", ["phase"],
@@ -97,6 +101,8 @@ class StepMetrics:
             if count:
                 ACCEPTED_AT.labels(str(position)).inc(count)
         NUM_SPEC_TOKENS.set(step.k)
+        for k in step.ks:
+            CHOSEN_K.observe(k)
         BATCH.observe(step.batch_size)
         STEP_SECONDS.observe(step.total_s)
         overhead = step.total_s - step.propose_s - step.score_s - step.verify_s

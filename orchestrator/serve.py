@@ -22,10 +22,13 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                              tokenizer: str | None, num_speculative_tokens: int,
                              connect_timeout_s: float = 60.0,
                              default_max_tokens: int = 256, trace_every: int = 1,
-                             resilience: ResilienceOptions = ResilienceOptions()) -> None:
+                             resilience: ResilienceOptions = ResilienceOptions(),
+                             speculation: str = "adaptive") -> None:
     """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
     trace_every: keep every Nth step span (1 = all, 0 = request spans only).
+    speculation: adaptive (k per sequence and step from the services' measured costs,
+    num_speculative_tokens the most) or fixed (every sequence speculates that k).
 
     Health follows the scorer: NOT_SERVING while no scorer replica is up. On SIGTERM,
     requests still running shortly before the grace ends finish as "cancelled" and their
@@ -35,6 +38,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     from orchestrator.fanout import connect_services
     from orchestrator.metrics import StepMetrics
     from orchestrator.servicer import SpecDecodeServicer
+    from orchestrator.speculation_policy import SpeculationPolicy
     from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
@@ -50,10 +54,17 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         if tokenizer != "none":
             tok = load_tokenizer(None if tokenizer == "default" else tokenizer)
             check_tokenizer(tokenizer_fingerprint(tok), s_info)
+        policy = SpeculationPolicy(
+            num_speculative_tokens, adaptive=speculation == "adaptive",
+            scorer_costs=s_info.forward_cost, draft_costs=p_info.forward_cost,
+            draft_model=p_info.vocab_size > 0, scoring=s_info.scoring_method)
+        if speculation == "adaptive" and not policy.adaptive:
+            log.warning("the services report no forward costs: speculating a fixed k=%d",
+                        num_speculative_tokens)
         engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
                                   max_model_len=serving_max_model_len(p_info, s_info),
                                   num_speculative_tokens=num_speculative_tokens,
-                                  trace_every=trace_every)
+                                  trace_every=trace_every, policy=policy)
         log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
         parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval))
         parts["loop"].start()

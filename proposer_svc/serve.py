@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
+from specdecode.cost_model import attach_live_costs
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
 from specdecode.server import ServerOptions, serve_deferred
@@ -13,11 +14,13 @@ from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-async def serve_proposer(options: ServerOptions, model: ModelOptions) -> None:
+async def serve_proposer(options: ServerOptions, model: ModelOptions,
+                         draft_vocab_size: int = 0) -> None:
     def load():
-        loaded = build_proposer(model)
+        loaded = build_proposer(model, draft_vocab_size)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
             export_runner_metrics(loaded.runner, "proposer")
+            attach_live_costs(loaded.runner, loaded.info.forward_cost)
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info}
     await serve_deferred(options, proposer_service_pb2,

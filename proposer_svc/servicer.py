@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
+from proposer_svc.pruned_head import prune_lm_head
 from specdecode import wire
+from specdecode.cost_model import calibrate
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.model_info import ModelInfo
 from specdecode.model_loading import ModelOptions, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
 from specdecode.model_servicer import ModelServicer, decode_request
+from specdecode.models import resolve_model_dir
 from specdecode.server import map_errors
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 from specdecode.worker import ModelWorker
+
+log = logging.getLogger(__name__)
 
 # An n-gram proposer proposes ids taken from the sequence itself: any vocabulary fits.
 NGRAM_INFO = ModelInfo(model_name="ngram", vocab_size=0, tokenizer_fingerprint="",
@@ -28,12 +34,19 @@ class LoadedProposer:
     runner: ModelRunner | None  # the draft model's; None for the n-gram proposer
 
 
-def build_proposer(options: ModelOptions) -> LoadedProposer:
-    """The proposer that `options` name: "ngram", or a draft model loaded from its path."""
+def build_proposer(options: ModelOptions, draft_vocab_size: int = 0) -> LoadedProposer:
+    """The proposer that `options` name: "ngram", or a draft model loaded from its path,
+    its forward costs measured (cost_model.calibrate). draft_vocab_size: the draft scores
+    only that many most frequent token ids (0 = all; proposer_svc.pruned_head)."""
     if options.model == "ngram":
         return LoadedProposer(NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO, None)
+    if draft_vocab_size < 0:
+        raise ValueError(f"draft_vocab_size: must be >= 0, got {draft_vocab_size}")
     runner, fingerprint = load_runner(options)
-    info = model_info_for(runner, options, fingerprint, role="proposer")
+    kept = prune_lm_head(runner.model, resolve_model_dir(options.model), draft_vocab_size)
+    log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
+    info = model_info_for(runner, options, fingerprint, role="proposer",
+                          forward_cost=calibrate(runner))
     return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft")), info, runner)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from scorer_svc.servicer import ScorerServicer, build_scorer
+from specdecode.cost_model import attach_live_costs
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
 from specdecode.server import ServerOptions, serve_deferred
@@ -17,6 +18,7 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
     def load():
         loaded = build_scorer(model, scoring)
         export_runner_metrics(loaded.runner, "scorer")
+        attach_live_costs(loaded.runner, loaded.info.forward_cost)
         log.info("scorer ready: %s", loaded.info)
         return {"scorer": loaded.scorer, "info": loaded.info}
     await serve_deferred(options, scorer_service_pb2,

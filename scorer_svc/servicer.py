@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scorer_svc.methods import SCORING_METHODS
+from scorer_svc.methods import SCORING_CHOICES, make_scorer
 from specdecode import wire
+from specdecode.cost_model import calibrate
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
 from specdecode.model_loading import ModelOptions, load_runner, model_info_for
@@ -25,13 +26,15 @@ class LoadedScorer:
 
 
 def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
-    """The target model loaded from `options`, scored by the method named `scoring`."""
-    if scoring not in SCORING_METHODS:
-        raise ValueError(f"scoring: must be one of {', '.join(SCORING_METHODS)}, got {scoring!r}")
+    """The target model loaded from `options`, its forward costs measured
+    (cost_model.calibrate), scored by the method named `scoring` (auto: per call, by cost)."""
+    if scoring not in SCORING_CHOICES:
+        raise ValueError(f"scoring: must be one of {', '.join(SCORING_CHOICES)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
+    costs = calibrate(runner)
     info = model_info_for(runner, options, fingerprint, role="scorer",
-                          scoring_method=scoring.replace("-", "_"))
-    return LoadedScorer(SCORING_METHODS[scoring](ModelWorker(runner, "target")), info, runner)
+                          scoring_method=scoring.replace("-", "_"), forward_cost=costs)
+    return LoadedScorer(make_scorer(scoring, ModelWorker(runner, "target"), costs), info, runner)
 
 
 class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceServicer):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdecode.cost_model import ForwardCosts
+
 
 class IncompatibleModelsError(ValueError):
     pass
@@ -19,7 +21,8 @@ class ModelInfo:
     device: str = "cpu"
     dtype: str = "float32"
     role: str = ""  # "proposer" | "scorer"
-    scoring_method: str = ""  # scorer only
+    scoring_method: str = ""  # scorer only: batch_expansion | multi_query | auto
+    forward_cost: ForwardCosts | None = None  # measured; None for the n-gram proposer
 
 
 def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:

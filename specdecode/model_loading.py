@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdecode.cost_model import ForwardCosts
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import ModelRunner
@@ -36,10 +37,10 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
 
 
 def model_info_for(runner: ModelRunner, options: ModelOptions, fingerprint: str, role: str,
-                   scoring_method: str = "") -> ModelInfo:
+                   scoring_method: str = "", forward_cost: ForwardCosts | None = None) -> ModelInfo:
     name = Path(options.model).name if options.model not in (None, "", "default") else \
         default_model_path().name
     return ModelInfo(model_name=name, vocab_size=runner.vocab_size,
                      tokenizer_fingerprint=fingerprint, max_model_len=runner.max_model_len,
                      device=str(runner.device), dtype=str(runner.model.dtype).removeprefix("torch."),
-                     role=role, scoring_method=scoring_method)
+                     role=role, scoring_method=scoring_method, forward_cost=forward_cost)

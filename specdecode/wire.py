@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
+from specdecode.cost_model import ForwardCosts
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
@@ -292,11 +293,29 @@ def scores_from_proto(m: speculative_pb2.SpeculativeScores, field: str = "scores
 
 
 def model_info_to_proto(info: ModelInfo) -> model_info_pb2.ModelInfo:
-    return model_info_pb2.ModelInfo(**vars(info))
+    fields = {k: v for k, v in vars(info).items() if k != "forward_cost"}
+    m = model_info_pb2.ModelInfo(**fields)
+    if info.forward_cost is not None:
+        costs = info.forward_cost.snapshot()
+        m.forward_cost.rows[:] = costs.rows
+        m.forward_cost.tokens[:] = costs.tokens
+        m.forward_cost.seconds[:] = [s for line in costs.seconds for s in line]
+    return m
 
 
 def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
-    return ModelInfo(**{f: getattr(m, f) for f in ModelInfo.__dataclass_fields__})
+    """InvalidRequestError (naming the field) when forward_cost's sizes disagree."""
+    fields = {f: getattr(m, f) for f in ModelInfo.__dataclass_fields__ if f != "forward_cost"}
+    costs = None
+    if m.HasField("forward_cost"):
+        c = m.forward_cost
+        rows, tokens, seconds = list(c.rows), list(c.tokens), list(c.seconds)
+        if not rows or not tokens or len(seconds) != len(rows) * len(tokens):
+            raise InvalidRequestError("forward_cost", f"{len(seconds)} seconds for "
+                                      f"{len(rows)} rows x {len(tokens)} tokens")
+        costs = ForwardCosts(rows, tokens, [seconds[i * len(tokens):(i + 1) * len(tokens)]
+                                            for i in range(len(rows))])
+    return ModelInfo(**fields, forward_cost=costs)
 
 
 def message_bytes(msg: Message) -> int:

@@ -30,7 +30,8 @@ from specdecode.tracing import parse_trace_steps
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   FileNotFoundError, ValueError)
-SCORING = ("batch-expansion", "multi-query")
+SCORING = ("auto", "batch-expansion", "multi-query")
+SPECULATION = ("adaptive", "fixed")
 
 
 def opt(*names, **kw):
@@ -116,24 +117,33 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb) -> ServerOp
     return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb)
 
 
+DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequent token ids "
+                    "(BPE merge rank), -inf for the rest; 0 = the whole vocabulary. Output "
+                    "stays lossless.")
+
+
 @serve.command("proposer")
 @opt("--model", default="ngram", help="Draft model directory or .gguf, or 'ngram'.")
+@opt("--draft-vocab-size", default=0, type=click.IntRange(0), help=DRAFT_VOCAB_HELP)
 @model_options
 @server_options(50052)
 @telemetry_options
-def serve_proposer(model, device, dtype, max_model_len, trace_console, log_format,
-                   **server) -> None:
+def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, trace_console,
+                   log_format, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     _run_server("proposer", lambda: run(_server(**server),
-                                        ModelOptions(model, device, dtype, max_model_len)),
+                                        ModelOptions(model, device, dtype, max_model_len),
+                                        draft_vocab_size),
                 trace_console, log_format)
 
 
 @serve.command("scorer")
 @opt("--model", default="default",
      help="Target model directory or .gguf ('default' = SmolLM2-135M-Instruct).")
-@opt("--scoring", default="batch-expansion", type=click.Choice(SCORING))
+@opt("--scoring", default="auto", type=click.Choice(SCORING),
+     help="auto: multi-query or batch expansion per call, whichever the measured forward "
+          "costs say is cheaper.")
 @model_options
 @server_options(50053)
 @telemetry_options
@@ -156,7 +166,10 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, lo
 @opt("--tokenizer", default="default",
      help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
 @opt("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
-     help="Draft tokens per step (k).")
+     help="Draft tokens per step (k): the most with --speculation adaptive.")
+@opt("--speculation", default="adaptive", type=click.Choice(SPECULATION),
+     help="adaptive: k per sequence and step (0 included) from its acceptance and the "
+          "services' measured forward costs; fixed: always --num-speculative-tokens.")
 @opt("--connect-timeout", default=60.0, type=float,
      help="Seconds to wait for the proposer and scorer at start.")
 @opt("--default-max-tokens", default=256, type=click.IntRange(1),
@@ -180,7 +193,8 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, lo
      help="Seconds between DNS look-ups of --proposer and --scorer (replicas come and go).")
 @server_options(50051)
 @telemetry_options
-def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
+def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, speculation,
+                       connect_timeout,
                        default_max_tokens, trace_steps, proposer_timeout, scorer_timeout,
                        scorer_retry_timeout, health_interval, resolve_interval, trace_console,
                        log_format, **server) -> None:
@@ -191,7 +205,8 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, conn
                                    health_interval, resolve_interval)
     _run_server("orchestrator", lambda: run(_server(**server), proposer, scorer, tokenizer,
                                             num_speculative_tokens, connect_timeout,
-                                            default_max_tokens, trace_steps, resilience),
+                                            default_max_tokens, trace_steps, resilience,
+                                            speculation),
                 trace_console, log_format)
 
 
@@ -205,10 +220,13 @@ def stack_options(fn):
                      show_default=True),
         click.option("--dtype", default="float32", type=click.Choice(list(DTYPES)),
                      show_default=True),
-        click.option("--scoring", default="batch-expansion", type=click.Choice(SCORING),
+        click.option("--scoring", default="auto", type=click.Choice(SCORING),
                      show_default=True),
         click.option("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
-                     show_default=True),
+                     show_default=True, help="The most draft tokens per step."),
+        opt("--speculation", default="adaptive", type=click.Choice(SPECULATION),
+            help="adaptive: k per sequence and step from measured costs; fixed: always k."),
+        opt("--draft-vocab-size", default=0, type=click.IntRange(0), help=DRAFT_VOCAB_HELP),
         click.option("--port", default=50051, type=int, show_default=True,
                      help="The orchestrator's port (0 = any free port)."),
     ]):
@@ -217,10 +235,12 @@ def stack_options(fn):
 
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
-           port) -> LocalStack:
+           speculation, draft_vocab_size, port) -> LocalStack:
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
-                                  num_speculative_tokens=num_speculative_tokens, port=port))
+                                  num_speculative_tokens=num_speculative_tokens,
+                                  speculation=speculation, draft_vocab_size=draft_vocab_size,
+                                  port=port))
 
 
 def _start(stack: LocalStack) -> None:

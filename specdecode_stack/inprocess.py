@@ -7,20 +7,39 @@ from __future__ import annotations
 import torch
 
 from orchestrator.engine import SpecDecodeEngine
+from orchestrator.speculation_policy import SpeculationPolicy
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
-from scorer_svc.methods import SCORING_METHODS
+from proposer_svc.pruned_head import prune_lm_head
+from scorer_svc.methods import make_scorer
+from specdecode.cost_model import calibrate
 from specdecode.model_runner import ModelRunner
 from specdecode.worker import ModelWorker
 
 
 def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: int = 4,
                            device: torch.device = torch.device("cpu"),
-                           ngram_min: int = 2) -> SpecDecodeEngine:
-    """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram"."""
+                           ngram_min: int = 2, adaptive: bool = False,
+                           draft_vocab_size: int = 0, draft_dir=None) -> SpecDecodeEngine:
+    """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
+    scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
+    measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
+    LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
+    this modifies `draft` in place)."""
     max_len = target.config.max_position_embeddings
-    proposer = (NgramProposer(max_len, n_min=ngram_min) if draft == "ngram"
-                else DraftModelProposer(ModelWorker(ModelRunner(draft, device), "draft")))
-    scorer = SCORING_METHODS[scoring](ModelWorker(ModelRunner(target, device), "target"))
+    target_runner = ModelRunner(target, device)
+    target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
+    draft_costs = None
+    if draft == "ngram":
+        proposer = NgramProposer(max_len, n_min=ngram_min)
+    else:
+        prune_lm_head(draft, draft_dir, draft_vocab_size)
+        draft_runner = ModelRunner(draft, device)
+        draft_costs = calibrate(draft_runner) if adaptive else None
+        proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"))
+    scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)
+    policy = SpeculationPolicy(k, adaptive=adaptive, scorer_costs=target_costs,
+                               draft_costs=draft_costs, draft_model=draft != "ngram",
+                               scoring=scoring)
     return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
-                            max_model_len=max_len, num_speculative_tokens=k)
+                            max_model_len=max_len, num_speculative_tokens=k, policy=policy)

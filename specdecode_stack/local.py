@@ -40,8 +40,10 @@ class StackConfig:
     tokenizer: str | None = None  # None = the target model's, if it has one; "none" = ids only
     device: str = "auto"
     dtype: str = "float32"
-    scoring: str = "batch-expansion"
-    num_speculative_tokens: int = 4
+    scoring: str = "auto"
+    num_speculative_tokens: int = 4  # the most, with adaptive speculation
+    speculation: str = "adaptive"  # or "fixed"
+    draft_vocab_size: int = 0  # 0 = the draft scores the whole vocabulary
     port: int = 50051  # the orchestrator's; 0 = any free port
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -86,14 +88,16 @@ class LocalStack:
             scorer = self._spawn("scorer", "--port", s_addr.rsplit(":", 1)[1], "--model", model,
                                  "--scoring", c.scoring, *model_args)
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
-                                   "--model", c.draft_model, *model_args)
+                                   "--model", c.draft_model, "--draft-vocab-size",
+                                   str(c.draft_vocab_size), *model_args)
             wait_process_serving(s_addr, timeout_s, scorer)
             wait_process_serving(p_addr, timeout_s, proposer)
             orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
                                "--proposer", p_addr, "--scorer", s_addr,
                                "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
                                                               else "none"),
-                               "--num-speculative-tokens", str(c.num_speculative_tokens))
+                               "--num-speculative-tokens", str(c.num_speculative_tokens),
+                               "--speculation", c.speculation)
             wait_process_serving(self.address, timeout_s, orch)
         except BaseException:
             self.stop()

@@ -152,7 +152,7 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
     receiver = Receiver()
     stack = LocalStack(StackConfig(
         target_model=model_dirs["target"], draft_model=model_dirs["draft"], tokenizer="none",
-        device="cpu", scoring=scoring, num_speculative_tokens=K, port=0,
+        device="cpu", scoring=scoring, num_speculative_tokens=K, speculation="fixed", port=0,
         extra_env={**receiver.env, **env}))
     try:
         stack.start()
@@ -204,7 +204,10 @@ def test_client_spans_parent_the_services_server_spans(run, service, method, rol
     clients = [s for s in run.named(name, "specdecode-orchestrator") if s.kind == CLIENT]
     servers = [s for s in run.named(name, f"specdecode-{role}") if s.kind == SERVER]
     steps = run.named("spec_decode.step")
-    assert len(clients) == len(servers) == len(steps) == run.result.usage["steps"]
+    assert len(steps) == run.result.usage["steps"]
+    # The prompt step has nothing to propose (k = 0), so it makes no proposer call.
+    calls = len(steps) - 1 if role == "proposer" else len(steps)
+    assert len(clients) == len(servers) == calls
     assert {s.parent for s in servers} == {c.span_id for c in clients}
     parent_phase = {s.span_id: s for s in run.named("propose" if role == "proposer" else "score")}
     assert all(parent_phase[c.parent].name in ("propose", "score") for c in clients)
@@ -226,8 +229,9 @@ def test_span_tree(run):
     assert {s.parent for s in steps} == {request.span_id}
     step_ids = {s.span_id for s in steps}
     for name in ("propose", "score", "rejection_sample"):
-        assert len(run.named(name)) == len(steps)
-        assert {s.parent for s in run.named(name)} == step_ids
+        # no propose span on the prompt step: nothing to propose
+        assert len(run.named(name)) == len(steps) - (name == "propose")
+        assert {s.parent for s in run.named(name)} <= step_ids
     proposer_servers = {s.span_id for s in run.named("specdecode.v1.ProposerService/GetProposals",
                                                      "specdecode-proposer")}
     drafts = run.named("draft_model.forward")
@@ -257,7 +261,9 @@ def test_step_attributes_add_up_to_the_usage(run):
     assert total("new_tokens") == usage["completion_tokens"] == MAX_TOKENS
     assert sorted(s.attributes["specdecode.step.index"] for s in steps) == list(range(len(steps)))
     for s in steps:
-        assert s.attributes["specdecode.batch_size"] == 1 and s.attributes["specdecode.k"] == K
+        k = 0 if s.attributes["specdecode.step.index"] == 0 else K  # the prompt step: none
+        assert s.attributes["specdecode.batch_size"] == 1 and s.attributes["specdecode.k"] == k
+        assert list(s.attributes["specdecode.chosen_k"]) == [k]
         assert s.attributes["specdecode.wire.bytes_sent"] > 0
         assert s.attributes["specdecode.wire.bytes_received"] > 0
         assert s.attributes["specdecode.request_ids"] == ["obs-1"]
@@ -330,7 +336,7 @@ def test_service_metrics_match_the_run(run):
     rows = run.metrics["scorer"]['specdecode_model_forward_batch_size_sum{role="scorer"}']
     assert rows == spec_steps * (K + 1) + (usage["steps"] - spec_steps)
     assert run.metrics["proposer"]['specdecode_rpc_server_duration_seconds_count{code="OK",'
-                                   'method="ProposerService/GetProposals"}'] == usage["steps"]
+                                   'method="ProposerService/GetProposals"}'] == usage["steps"] - 1
 
 
 def test_metrics_also_go_over_otlp(run):
@@ -373,9 +379,11 @@ def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_di
                   sampled.named("spec_decode.step")) == list(range(0, steps, 3))
     for name in ("propose", "score", "rejection_sample", "multi_query.extend",
                  "target_model.forward", "multi_query.scatter"):
-        assert len(sampled.named(name)) == kept, name
-    for service in ("ProposerService/GetProposals", "ScorerService/ScoreProposals"):
-        assert len(sampled.named(f"specdecode.v1.{service}")) == 2 * kept  # client + server
+        # step 0 (kept) is the prompt step, which proposes nothing
+        assert len(sampled.named(name)) == kept - (name == "propose"), name
+    for service, calls in (("ProposerService/GetProposals", kept - 1),
+                           ("ScorerService/ScoreProposals", kept)):
+        assert len(sampled.named(f"specdecode.v1.{service}")) == 2 * calls  # client + server
     assert len(sampled.spans) < len(run.spans) / 2
     counts = Counter(s.name for s in sampled.spans)
     assert counts["draft_model.forward"] < len(run.named("draft_model.forward"))

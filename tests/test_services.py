@@ -29,7 +29,8 @@ MAX_TOKENS = 24
 def tiny_stack(dirs, draft: str, scoring: str, **kw) -> LocalStack:
     return LocalStack(StackConfig(
         target_model=dirs["target"], draft_model=dirs[draft] if draft in dirs else draft,
-        tokenizer="none", device="cpu", scoring=scoring, num_speculative_tokens=3, port=0, **kw))
+        tokenizer="none", device="cpu", scoring=scoring, num_speculative_tokens=3, port=0,
+        **{"speculation": "fixed", **kw}))
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     SCORING_METHOD_FIELD_NUMBER: _builtins.int
+    FORWARD_COST_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Name or local path of the loaded model (e.g. "SmolLM2-135M-Instruct"), or "ngram"
     for the n-gram proposer.
@@ -71,9 +72,18 @@ class ModelInfo(_message.Message):
     role: _builtins.str
     """Which service answered: "proposer" or "scorer"."""
     scoring_method: _builtins.str
-    """Scorer only: how proposals are scored, "batch_expansion" or "multi_query".
+    """Scorer only: how proposals are scored, "batch_expansion", "multi_query", or "auto"
+    (the scorer picks the cheaper of the two for each call from forward_cost).
     Empty for a proposer.
     """
+    @_builtins.property
+    def forward_cost(self) -> Global___ForwardCost:
+        """Measured cost of one forward pass of this model on its device (at start-up, refreshed
+        from live forward timings). Unset for the n-gram proposer, which runs no model. The
+        orchestrator's speculation policy uses the proposer's (one draft step: rows x 1 token)
+        and the scorer's (decode: rows x 1; verify: rows x k+1) to pick k.
+        """
+
     def __init__(
         self,
         *,
@@ -85,14 +95,56 @@ class ModelInfo(_message.Message):
         dtype: _builtins.str = ...,
         role: _builtins.str = ...,
         scoring_method: _builtins.str = ...,
+        forward_cost: Global___ForwardCost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["forward_cost", b"forward_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class ForwardCost(_message.Message):
+    """Seconds of one forward pass for a grid of batch rows x query tokens per row, measured on
+    a warm KV cache. Between grid points the cost is interpolated linearly; beyond the last
+    row count, scaled by rows.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Batch sizes (rows) measured, ascending."""
+
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """New (query) tokens per row measured, ascending."""
+
+    @_builtins.property
+    def seconds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """len(rows) x len(tokens) seconds, row-major: seconds[i * len(tokens) + j] is the time
+        of a forward of rows[i] rows with tokens[j] query tokens each.
+        """
+
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[_builtins.int] | None = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        seconds: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForwardCost: _TypeAlias = ForwardCost  # noqa: Y015
 
 @_typing.final
 class ReleaseSequencesRequest(_message.Message):

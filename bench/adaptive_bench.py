@@ -1,0 +1,259 @@
+"""Speculate only where it pays, measured through the gRPC stack: Qwen2.5-Coder 0.5B drafting
+for 1.5B on a mixed prompt set (code, prose, Q&A, copy), against HF `generate`.
+
+    python bench/adaptive_bench.py --quick [--dtypes bfloat16,float32]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/adaptive_bench.py --quick  # no bf16 units
+
+Per dtype, in one run: HF target-only greedy, HF assisted generation (its defaults, and
+constant k, best reported), then the stack (three processes on loopback) at its defaults
+(adaptive k, auto scoring), at k=0 (requests with num_speculative_tokens=0: plain decoding
+through the same stack), at fixed k for both scorers, with the pruned draft head, and with the
+n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "4 streams" runs the
+four classes concurrently. Columns: tokens/s, ratio to HF target-only (same prompts),
+acceptance, mean chosen k per sequence-step (orchestrator metric specdecode_chosen_k), and
+tokens equal to HF target-only. `--quick` uses one prompt per class and short generations so
+that the whole matrix fits in minutes on 2 cores. JSON: bench/results/adaptive_<dtype>_<isa>.json
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import json
+import os
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.client import SpecDecodeClient
+from specdecode_stack.local import LocalStack, StackConfig
+from specdecode.model_packages import fetch
+from specdecode.models import load_model, load_tokenizer, resolve_model_dir
+
+CPU = torch.device("cpu")
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = {
+    "code": ["def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"],
+    "prose": ["The history of the printing press begins in fifteenth-century Europe, where",
+              "Autumn arrived early that year in the small mountain village, and"],
+    "qa": [chat("Why is the sky blue? Answer in two sentences."),
+           chat("What is the difference between a list and a tuple in Python?")],
+    "copy": [chat("Repeat this text exactly: The quick brown fox jumps over the lazy dog. "
+                  "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras "
+                  "jump."),
+             chat("Copy this code without changes:\nfor i in range(10):\n    total += i * i\n"
+                  "    print(i, total)\n")],
+}
+
+
+@dataclass
+class Outcome:
+    tokens: int
+    seconds: float
+    token_ids: list[int]
+    draft: int = 0
+    accepted: int = 0
+
+
+def hf_generate(target, ids: list[int], max_tokens: int, **kw) -> Outcome:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=0, **kw)
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    return Outcome(len(new), seconds, new)
+
+
+def scrape(port: int) -> tuple[float, float]:
+    """(sum, count) of the orchestrator's specdecode_chosen_k histogram."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    get = lambda name: float(re.search(rf"^{name} (\S+)$", body, re.M).group(1))  # noqa: E731
+    return get("specdecode_chosen_k_sum"), get("specdecode_chosen_k_count")
+
+
+def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
+                   k: int | None, streams: int) -> tuple[list[Outcome], float, float]:
+    """Outcomes per prompt, wall seconds for all, mean chosen k per sequence-step."""
+    def one(ids):
+        with SpecDecodeClient(stack.address, timeout_s=3600) as client:
+            start = time.perf_counter()
+            r = client.generate(ids, max_tokens=max_tokens, num_speculative_tokens=k)
+            u = r.usage
+            return Outcome(len(r.token_ids), time.perf_counter() - start, r.token_ids,
+                           u["draft_tokens"], u["accepted_tokens"])
+    s0, c0 = scrape(stack.metrics_ports["orchestrator"])
+    start = time.perf_counter()
+    if streams == 1:
+        outs = [one(p) for p in prompts]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            outs = list(pool.map(one, prompts))
+    wall = time.perf_counter() - start
+    s1, c1 = scrape(stack.metrics_ports["orchestrator"])
+    return outs, wall, (s1 - s0) / (c1 - c0) if c1 > c0 else float("nan")
+
+
+@click.command()
+@click.option("--dtypes", default="bfloat16,float32", show_default=True)
+@click.option("--quick", is_flag=True, help="One prompt per class, --max-tokens 16, k in {2,4,8} "
+              "for multi-query and {4} for batch expansion, HF constant k in {4}.")
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--fixed-k", default="2,4,8", show_default=True)
+@click.option("--be-k", default="2,4,8", show_default=True, help="Fixed k for batch expansion.")
+@click.option("--hf-k", default="2,4,8", show_default=True, help="HF assisted constant k.")
+@click.option("--draft-vocab", default=32768, show_default=True)
+@click.option("--parts", default="hf,stack,ngram,streams", show_default=True)
+def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> None:
+    parts = set(parts.split(","))
+    per_class = 1 if quick else 2
+    if quick:
+        max_tokens, be_k, hf_k = min(max_tokens, 16), "4", "4"
+    fixed, be_ks, hf_ks = ([int(x) for x in s.split(",") if x] for s in (fixed_k, be_k, hf_k))
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    console = Console(width=170)
+    draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
+    target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
+    tok = load_tokenizer(target_dir)
+    classes = [(c, tok(p).input_ids) for c, ps in PROMPTS.items() for p in ps[:per_class]]
+    prompts = [ids for _, ids in classes]
+    for dtype in dtypes.split(","):
+        torch_dtype = getattr(torch, dtype)
+        rows = []  # (path, class, outcome list, chosen k)
+        t_start = time.perf_counter()
+
+        def add(path, outs, chosen=float("nan"), wall=None, streams=1):
+            for (cls, _), o in zip(classes, outs):
+                rows.append({"path": path, "class": cls, "streams": streams, "tokens": o.tokens,
+                             "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
+                             "token_ids": o.token_ids, "chosen_k": chosen})
+            if wall is not None:
+                rows.append({"path": path, "class": "all", "streams": streams, "seconds": wall,
+                             "tokens": sum(o.tokens for o in outs), "draft": sum(o.draft for o in outs),
+                             "accepted": sum(o.accepted for o in outs), "chosen_k": chosen,
+                             "token_ids": None})
+
+        target = load_model(target_dir, CPU, torch_dtype)
+        reference = [hf_generate(target, ids, max_tokens) for ids in prompts]
+        add("HF target-only", reference)
+        if "hf" in parts:
+            draft = load_model(draft_dir, CPU, torch_dtype)
+            add("HF assisted, defaults", [hf_generate(target, ids, max_tokens, assistant_model=draft)
+                                          for ids in prompts])
+            for k in hf_ks:
+                draft.generation_config.num_assistant_tokens = k
+                draft.generation_config.num_assistant_tokens_schedule = "constant"
+                add(f"HF assisted, k={k} constant", [hf_generate(target, ids, max_tokens,
+                                                                 assistant_model=draft)
+                                                     for ids in prompts])
+            add("HF prompt lookup", [hf_generate(target, ids, max_tokens, prompt_lookup_num_tokens=4)
+                                     for ids in prompts])
+            del draft
+        del target
+        gc.collect()
+
+        def stack(**kw) -> LocalStack:
+            return LocalStack(StackConfig(target_model=str(target_dir), tokenizer="none",
+                                          device="cpu", dtype=dtype, port=0, **kw))
+        draft_path = str(draft_dir)
+        if "stack" in parts:
+            with stack(draft_model=draft_path) as s:  # defaults: adaptive, auto, k <= 4
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
+                add("stack defaults", outs, chosen)
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, 0, 1)
+                add("stack k=0", outs, chosen)
+                if "streams" in parts:
+                    for label, k in (("stack defaults", None), ("stack k=0", 0)):
+                        outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
+                        add(label, outs, chosen, wall, streams=len(prompts))
+            with stack(draft_model=draft_path, draft_vocab_size=draft_vocab) as s:
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
+                add(f"stack defaults, draft head {draft_vocab}", outs, chosen)
+            for scoring, ks in (("multi-query", fixed), ("batch-expansion", be_ks)):
+                if not ks:
+                    continue
+                with stack(draft_model=draft_path, scoring=scoring, speculation="fixed",
+                           num_speculative_tokens=max(ks)) as s:
+                    for k in ks:
+                        outs, _, chosen = stack_generate(s, prompts, max_tokens, k, 1)
+                        add(f"stack fixed k={k}, {scoring}", outs, chosen)
+                    if scoring == "multi-query" and "streams" in parts:
+                        outs, wall, chosen = stack_generate(s, prompts, max_tokens, 4, len(prompts))
+                        add("stack fixed k=4, multi-query", outs, chosen, wall, streams=len(prompts))
+        if "ngram" in parts:
+            with stack(draft_model="ngram") as s:
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
+                add("stack n-gram defaults", outs, chosen)
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, 0, 1)
+                add("stack n-gram k=0", outs, chosen)
+        report(console, rows, reference, classes, dtype, isa, max_tokens,
+               time.perf_counter() - t_start)
+
+
+def report(console, rows, reference, classes, dtype, isa, max_tokens, seconds) -> None:
+    ref_by_class: dict[str, list] = {}
+    for (cls, _), o in zip(classes, reference):
+        ref_by_class.setdefault(cls, []).append(o)
+    table = Table(title=f"Qwen2.5-Coder 0.5B -> 1.5B, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
+                        f"{max_tokens} tokens/prompt, greedy; {seconds / 60:.1f} min")
+    for col in ("path", "streams", "class", "tokens/s", "vs HF target-only", "vs own k=0",
+                "acceptance", "chosen k", "equal to target-only"):
+        table.add_column(col)
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        groups.setdefault((r["path"], r["streams"], r["class"]), []).append(r)
+    tps = {key: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+           for key, rs in groups.items()}
+    out = []
+    for (path, streams, cls), rs in groups.items():
+        if streams > 1 and cls != "all":
+            continue
+        base = tps.get(("HF target-only", 1, cls))
+        if cls == "all":  # 4 streams: HF target-only's tokens/s over all prompts, one at a time
+            ref = [r for r in rows if r["path"] == "HF target-only"]
+            base = sum(r["tokens"] for r in ref) / sum(r["seconds"] for r in ref)
+        own_zero = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}.get(
+            path.split(", draft head")[0])
+        zero = tps.get((own_zero, streams, cls)) if own_zero else None
+        draft = sum(r["draft"] for r in rs)
+        acc = sum(r["accepted"] for r in rs) / draft if draft else None
+        if cls == "all":
+            equal, total = "-", None
+        else:
+            ref_ids = [o.token_ids for o in ref_by_class[cls]]
+            same = sum(a == b for r, ref in zip(rs, ref_ids) for a, b in zip(r["token_ids"], ref))
+            total = sum(len(x) for x in ref_ids)
+            equal = f"{same}/{total}"
+        row = {"path": path, "streams": streams, "class": cls, "tokens_per_s": tps[(path, streams, cls)],
+               "vs_hf_target_only": tps[(path, streams, cls)] / base, "acceptance": acc,
+               "vs_own_k0": tps[(path, streams, cls)] / zero if zero else None,
+               "chosen_k": rs[0]["chosen_k"], "equal": equal}
+        out.append(row)
+        table.add_row(path, str(streams), cls, f"{row['tokens_per_s']:.2f}",
+                      f"{row['vs_hf_target_only']:.2f}x",
+                      "-" if zero is None else f"{row['vs_own_k0']:.2f}x",
+                      "-" if acc is None else f"{acc:.2f}",
+                      "-" if rs[0]["chosen_k"] != rs[0]["chosen_k"] else f"{rs[0]['chosen_k']:.2f}",
+                      equal)
+    console.print(table)
+    path = Path(f"bench/results/adaptive_{dtype}_{isa}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"dtype": dtype, "isa": isa, "max_tokens": max_tokens,
+                                "minutes": seconds / 60, "rows": out}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""How many tokens each sequence speculates this step: the k that maximises expected tokens
+per second, from each sequence's running acceptance estimate and the measured forward costs
+of the draft and the target (docs/design.md, adaptive speculation).
+
+With per-token acceptance α, a sequence proposing k tokens emits on average
+
+    E(α, k) = 1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α)
+
+tokens (the accepted prefix plus the target's token). A step's cost is shared by the whole
+batch: K draft steps (one forward each over the sequences still drafting), one target forward
+of K+1 tokens per row (multi-query; batch expansion feeds sum(k_i + 1) rows), plus the RPC and
+bookkeeping time measured from earlier steps. k = 0 for every sequence skips the proposer and
+is plain decoding, so the policy never picks speculation that its costs say does not pay: low
+acceptance, proposers that rarely find an n-gram, a large batch or slow multi-token forwards.
+
+Acceptance is learned per sequence from what verification accepted (decayed counts, so it
+follows a sequence moving from prose into code), blended with the running acceptance of all
+sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
+tried again once the prior makes speculation look worth it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdecode.cost_model import ForwardCosts, verify_seconds
+
+log = logging.getLogger(__name__)
+
+DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
+IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
+GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
+PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
+OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured overheads
+GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(α, k): tokens one sequence emits from k proposals at per-token acceptance α."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of one sequence's (or all sequences') verification outcomes."""
+
+    accepted: float = 0.0  # draft tokens accepted before the first rejection
+    tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
+    proposed: float = 0.0  # steps where the proposer returned tokens ...
+    asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
+
+    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+    def proposal_rate(self, weight: float = 1.0) -> float:
+        return (self.proposed + weight) / (self.asked + weight)
+
+    def update(self, asked: int, proposed: int, accepted: int, decay: float) -> None:
+        """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
+        prefix length (tokens emitted - 1)."""
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        if asked:
+            self.asked = decay * self.asked + 1
+            self.proposed = decay * self.proposed + (1 if proposed else 0)
+
+    def idle(self, decay: float = IDLE_DECAY) -> None:
+        self.accepted *= decay
+        self.tried *= decay
+
+
+@dataclass
+class Candidate:
+    """One sequence as the policy sees it this step."""
+
+    seq_id: int
+    cap: int  # the most it may speculate (request cap, server max, room left; 0 = none)
+
+
+@dataclass
+class Plan:
+    ks: list[int]  # [B] speculation length per sequence
+    scoring: str  # the scoring method the costs predict ("" when not predicted)
+    expected_tokens: float
+    seconds: float  # predicted step time
+
+
+class SpeculationPolicy:
+    """adaptive=False: every sequence speculates its cap (fixed k, the old behaviour)."""
+
+    def __init__(self, k_max: int, *, adaptive: bool = True,
+                 scorer_costs: ForwardCosts | None = None,
+                 draft_costs: ForwardCosts | None = None, draft_model: bool = True,
+                 scoring: str = "auto", prior: float = 0.6,
+                 refresh: Callable[[], tuple[ForwardCosts | None, ForwardCosts | None]] | None = None,
+                 refresh_every_s: float = 30.0, measure_overheads: bool = True):
+        """scorer_costs / draft_costs: measured forward costs (ModelInfo.forward_cost);
+        draft_model False: an n-gram proposer (no forward cost); scoring: the scorer's
+        method (auto | multi-query | batch-expansion); refresh: returns fresh
+        (draft_costs, scorer_costs) from the services, called every refresh_every_s;
+        measure_overheads: add the time each step spends outside the predicted forwards
+        (RPCs, sampling), learned from earlier steps."""
+        self.k_max = k_max
+        self.scorer_costs, self.draft_costs, self.draft_model = scorer_costs, draft_costs, draft_model
+        self.adaptive = adaptive and scorer_costs is not None and (
+            draft_costs is not None or not draft_model)
+        self.scoring = scoring.replace("_", "-")
+        self.seqs: dict[int, Acceptance] = {}
+        self.all = Acceptance(accepted=prior * 4, tried=4.0)
+        self.overhead = {"step": 0.0, "propose": 0.0, "score": 0.0}  # seconds, measured
+        self.refresh, self.refresh_every_s = refresh, refresh_every_s
+        self._refreshed = time.monotonic()
+        self.measure_overheads = measure_overheads
+
+    # -- choosing k ------------------------------------------------------------------------
+
+    def plan(self, candidates: list[Candidate]) -> Plan:
+        caps = [min(c.cap, self.k_max) for c in candidates]
+        if not self.adaptive or not candidates:
+            return Plan(caps, "", 0.0, 0.0)
+        self._maybe_refresh()
+        prior = self.all.alpha(0.5, 0.0)
+        est = [self.seqs.get(c.seq_id, Acceptance()) for c in candidates]
+        alphas = [a.alpha(prior) for a in est]
+        rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
+        best = self._evaluate([0] * len(caps), alphas, rates)
+        for K in range(1, max(caps, default=0) + 1):
+            ks = [min(K, cap) for cap in caps]
+            plan = self._evaluate(ks, alphas, rates)
+            # Leave out the 1, 2, 4, ... sequences least likely to gain, if that pays.
+            spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i] * rates[i])
+            drop = 1
+            while drop < len(spec):
+                left_out = set(spec[:drop])
+                trial = self._evaluate([0 if i in left_out else k for i, k in enumerate(ks)],
+                                       alphas, rates)
+                if trial.expected_tokens / trial.seconds > plan.expected_tokens / plan.seconds:
+                    plan = trial
+                drop *= 2
+            if plan.expected_tokens / plan.seconds > best.expected_tokens / best.seconds * (
+                    GAIN_MARGIN if not any(best.ks) else 1.0):
+                best = plan
+        return best
+
+    def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float]) -> Plan:
+        tokens = sum(1.0 + r * (expected_tokens(a, k) - 1.0) for a, r, k in zip(alphas, rates, ks))
+        scoring, seconds = self._cost(ks, rates)
+        return Plan(ks, scoring, tokens, seconds)
+
+    def _cost(self, ks: list[int], rates: list[float]) -> tuple[str, float]:
+        """(scoring method, predicted seconds) of a step with these ks."""
+        B, K = len(ks), max(ks)
+        seconds = self.overhead["step"] + self.overhead["score"]
+        decode = self.scorer_costs(B, 1)
+        scoring = "multi-query" if self.scoring == "auto" else self.scoring
+        if K == 0:
+            return scoring, seconds + decode
+        seconds += self.overhead["propose"]
+        if self.draft_model:
+            seconds += sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(K))
+        if self.scoring == "auto":
+            scoring = min(("multi-query", "batch-expansion"),
+                          key=lambda m: verify_seconds(self.scorer_costs, m, ks))
+        verify = verify_seconds(self.scorer_costs, scoring, ks)
+        # An n-gram proposer may find nothing: then the row is scored as a decode.
+        p_any = 1.0
+        for r, k in zip(rates, ks):
+            p_any *= 1.0 - (r if k else 0.0)
+        return scoring, seconds + decode + (verify - decode) * (1.0 - p_any)
+
+    # -- learning ----------------------------------------------------------------------------
+
+    def observe(self, seq_id: int, asked: int, proposed: int, accepted_prefix: int) -> None:
+        """One sequence's step: asked k, got `proposed` tokens, the first
+        `accepted_prefix` of them were accepted."""
+        est = self.seqs.setdefault(seq_id, Acceptance())
+        if asked == 0:
+            est.idle()
+            return
+        est.update(asked, proposed, accepted_prefix, DECAY)
+        if proposed:
+            self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
+
+    def observe_step(self, plan: Plan, lens: list[int], propose_s: float, score_s: float,
+                     total_s: float) -> None:
+        """Learn the step's time outside the predicted forwards: RPCs, sampling, bookkeeping."""
+        if not (self.adaptive and self.measure_overheads and plan.ks):
+            return
+        scoring = plan.scoring or "multi-query"
+        verify = verify_seconds(self.scorer_costs, scoring, lens)
+        self._ewma("score", score_s - verify)
+        self._ewma("step", total_s - propose_s - score_s)
+        K = max(plan.ks)
+        if K:
+            drafted = sum(self.draft_costs(sum(1 for k in plan.ks if k > s), 1)
+                          for s in range(K)) if self.draft_model else 0.0
+            self._ewma("propose", propose_s - drafted)
+
+    def _ewma(self, key: str, value: float) -> None:
+        self.overhead[key] += OVERHEAD_WEIGHT * (max(value, 0.0) - self.overhead[key])
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.seqs.pop(s, None)
+
+    def _maybe_refresh(self) -> None:
+        if self.refresh is None or time.monotonic() - self._refreshed < self.refresh_every_s:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            draft, scorer = self.refresh()
+        except Exception as exc:  # keep the costs we have; the step itself is unaffected
+            log.warning("refreshing forward costs failed: %s", exc)
+            return
+        if scorer is not None and (draft is not None or not self.draft_model):
+            self.draft_costs, self.scorer_costs = draft, scorer

@@ -1,0 +1,259 @@
+"""Speculate only where it pays: measured forward costs, the adaptive speculation policy,
+auto scoring and the pruned draft head. Policy decisions are checked on fixed synthetic
+costs (deterministic); losslessness on the tiny random models, whatever k the policy picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from bench.tiny_models import TinyModelSpec, build_tiny_model
+from orchestrator.engine import Request
+from orchestrator.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
+from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
+from scorer_svc.auto import AutoScorer
+from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
+from specdecode.model_info import ModelInfo
+from specdecode.model_runner import ModelRunner
+from specdecode.sampling import truncated_probs
+from specdecode.sequence import InvalidRequestError, SamplingParams
+from specdecode.wire import model_info_from_proto, model_info_to_proto
+from specdecode_stack.inprocess import build_inprocess_engine
+from tests.conftest import CPU, TARGET, greedy_request, reference_greedy
+
+ROWS, TOKENS = [1, 4], [1, 2, 3, 5, 9]
+
+
+def table(decode: float, per_token: float, per_row: float = 0.0) -> ForwardCosts:
+    """decode seconds for one row and token, + per_token for each further query token,
+    + per_row for each further row (times its tokens)."""
+    return ForwardCosts(ROWS, TOKENS, [[decode + per_token * (q - 1) + per_row * (r - 1) * q
+                                        for q in TOKENS] for r in ROWS])
+
+
+# -- cost model ------------------------------------------------------------------------------
+
+def test_forward_costs_interpolate_extrapolate_and_stay_monotone():
+    costs = table(1.0, 0.5)
+    assert costs(1, 1) == pytest.approx(1.0)
+    assert costs(1, 4) == pytest.approx(2.5)  # between the 3- and 5-token points
+    assert costs(1, 13) == pytest.approx(7.0)  # linear beyond the last token point
+    assert costs(8, 1) == pytest.approx(2.0)  # per-row time of the last row point, x 8
+    noisy = ForwardCosts([1], [1, 2, 3], [[1.0, 0.4, 2.0]])  # a noisy 2-token time
+    assert noisy(1, 2) == pytest.approx(1.0)  # never cheaper than fewer tokens
+    assert noisy.observe(1, 3, 4.0) and noisy(1, 3) == pytest.approx(2.4)  # EWMA 0.2
+    assert not noisy.observe(1, 4, 9.9)  # not a grid point: ignored
+    with pytest.raises(ValueError, match="2x5"):
+        ForwardCosts(ROWS, TOKENS, [[1.0] * 5])
+
+
+def test_verify_cost_by_scoring_method():
+    costs = table(1.0, 0.1, per_row=0.2)
+    lens = [4, 0, 2]
+    assert verify_seconds(costs, "multi-query", lens) == costs(3, 5)
+    assert verify_seconds(costs, "batch-expansion", lens) == costs(5 + 1 + 3, 5)
+    # Expanded rows are padded to the same width, so batch expansion never costs less in
+    # this runner; auto scoring therefore picks multi-query whenever costs are monotone.
+    assert cheaper_scoring(costs, lens) == "multi-query"
+    assert cheaper_scoring(costs, [0, 0]) == "multi-query"
+
+
+def test_calibrate_times_every_cell_and_leaves_no_cache(target_model):
+    runner = ModelRunner(target_model, CPU)
+    seen = []
+    runner.on_forward = seen.append
+    costs = calibrate(runner, rows=(1, 2), tokens=(1, 3), repeats=1, context=8)
+    assert costs.rows == [1, 2] and costs.tokens == [1, 3]
+    assert all(s > 0 for line in costs.seconds for s in line)
+    assert runner.num_cached_sequences == 0 and not seen  # not traffic: no hook, no counters
+    assert runner.stats.forward_calls == 0 and runner.stats.tokens_computed == 0
+
+
+def test_model_info_carries_forward_costs_over_the_wire():
+    info = ModelInfo("m", 256, "fp", 128, role="scorer", scoring_method="auto",
+                     forward_cost=table(0.3, 0.1))
+    back = model_info_from_proto(model_info_to_proto(info))
+    assert back.forward_cost.seconds == info.forward_cost.seconds
+    assert back.scoring_method == "auto"
+    assert model_info_from_proto(model_info_to_proto(ModelInfo("ngram", 0, "", 9))).forward_cost is None
+    bad = model_info_to_proto(info)
+    del bad.forward_cost.seconds[-1]
+    with pytest.raises(InvalidRequestError, match="forward_cost"):
+        model_info_from_proto(bad)
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+def policy(scorer: ForwardCosts, draft: ForwardCosts | None, k_max: int = 8,
+           prior: float = 0.6, **kw) -> SpeculationPolicy:
+    return SpeculationPolicy(k_max, scorer_costs=scorer, draft_costs=draft,
+                             draft_model=draft is not None, prior=prior, **kw)
+
+
+def teach(p: SpeculationPolicy, seq_id: int, alpha_prefix: int, k: int, steps: int = 10):
+    for _ in range(steps):
+        p.observe(seq_id, k, k, alpha_prefix)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_policy_speculates_when_verify_is_flat_and_acceptance_high():
+    p = policy(table(0.25, 0.0), table(0.02, 0.0))  # fast-bf16-like: verify ~ decode
+    teach(p, 1, 4, 4)  # every proposal accepted
+    plan = p.plan([Candidate(1, 8)])
+    assert plan.ks == [8] and plan.scoring == "multi-query"
+
+
+def test_policy_stops_when_multi_token_forwards_are_slow():
+    """The issue's AVX2 CPU: a 5-token verify costs ~3.75 decodes; even 96% acceptance
+    does not pay with a draft costing a third of the target."""
+    p = policy(table(0.37, 0.255), table(0.12, 0.05))
+    teach(p, 1, 4, 4)
+    assert p.plan([Candidate(1, 8)]).ks == [0]
+
+
+def test_policy_stops_on_low_acceptance_and_keeps_the_request_cap():
+    p = policy(table(0.25, 0.01), table(0.03, 0.0, per_row=0.03))  # draft rows cost
+    teach(p, 1, 4, 4)  # high acceptance
+    teach(p, 2, 0, 4)  # always rejected at the first token
+    plan = p.plan([Candidate(1, 2), Candidate(2, 8), Candidate(3, 0)])
+    assert plan.ks == [2, 0, 0]  # 2: the request's cap; 3: a prompt step
+
+
+def test_policy_stops_for_a_large_compute_bound_batch():
+    # Flat at one row (memory-bound), then compute-bound: 10 ms per row-token beyond 50 ms.
+    costs = ForwardCosts(ROWS, TOKENS, [[max(0.05, 0.01 * r * q) for q in TOKENS] for r in ROWS])
+    p = policy(costs, table(0.005, 0.0))
+    for s in range(8):
+        teach(p, s, 1, 4)  # ~60% acceptance
+    assert max(p.plan([Candidate(0, 8)]).ks) > 0
+    assert p.plan([Candidate(s, 8) for s in range(8)]).ks == [0] * 8
+
+
+def test_policy_learns_acceptance_and_ngram_proposal_rate():
+    p = policy(table(0.25, 0.05), None)  # n-gram: no draft forwards
+    teach(p, 1, 4, 4)
+    assert p.plan([Candidate(1, 4)]).ks == [4]
+    hit = p.plan([Candidate(1, 4)]).expected_tokens
+    for _ in range(30):  # the proposer stops finding n-grams: fewer expected tokens
+        p.observe(1, 4, 0, 0)
+    assert p.plan([Candidate(1, 4)]).expected_tokens < 0.5 * hit
+    teach(p, 1, 0, 4, steps=30)  # then it finds some, and all are rejected (prose)
+    assert p.plan([Candidate(1, 4)]).ks == [0]
+
+
+def test_fixed_policy_speculates_the_cap():
+    p = SpeculationPolicy(4, adaptive=False)
+    assert p.plan([Candidate(1, 3), Candidate(2, 9), Candidate(3, 0)]).ks == [3, 4, 0]
+    # adaptive without costs (an old service) also falls back to fixed k
+    assert not SpeculationPolicy(4, scorer_costs=None).adaptive
+
+
+# -- the pruned draft head --------------------------------------------------------------------
+
+def test_pruned_head_scores_the_subset_and_minus_inf_elsewhere(draft_model):
+    model = build_tiny_model(TinyModelSpec(seed=2, num_layers=1))
+    head = model.get_output_embeddings()
+    keep = torch.tensor([0, 3, 7, 100, 255])
+    pruned = PrunedLMHead(head, keep)
+    hidden = torch.randn(2, 3, head.weight.shape[1])
+    full, out = head(hidden), pruned(hidden)
+    assert out.shape == full.shape
+    torch.testing.assert_close(out[..., keep], full[..., keep])
+    mask = torch.ones(full.shape[-1], dtype=torch.bool)
+    mask[keep] = False
+    assert torch.isneginf(out[..., mask]).all()
+
+
+def test_frequency_order_follows_bpe_merges(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(
+        '{"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "ba": 3, "bab": 4},'
+        ' "merges": ["b a", "a b", "ba b"]}, "added_tokens": [{"id": 5}]}')
+    # added token first, then bytes, then merges in order; ids no entry names go last
+    assert frequency_order(tmp_path, 7) == [5, 0, 1, 3, 2, 4, 6]
+    assert frequency_order(None, 3) == [0, 1, 2]
+
+
+def test_prune_lm_head_keeps_eos():
+    model = build_tiny_model(TinyModelSpec(seed=2, num_layers=1))
+    model.config.eos_token_id = 200
+    assert prune_lm_head(model, None, 64) == 65
+    assert 200 in model.lm_head.keep.tolist()
+    assert prune_lm_head(build_tiny_model(TinyModelSpec(seed=2, num_layers=1)), None, 0) == 256
+
+
+# -- losslessness with all of it --------------------------------------------------------------
+
+PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 8, 9, 7, 8, 9, 7, 8]]
+MAX_TOKENS = 16
+
+
+def adaptive_engine(target, draft, draft_vocab_size: int = 0, k: int = 4):
+    """Adaptive k and auto scoring on costs that make speculation pay (flat verify, cheap
+    draft), so the policy varies k instead of settling on 0 from the tiny models' noise."""
+    engine = build_inprocess_engine(target, draft, "auto", k, CPU, ngram_min=1,
+                                    adaptive=False, draft_vocab_size=draft_vocab_size)
+    costs = table(0.01, 0.0005)
+    engine.scorer = AutoScorer(engine.scorer.worker, costs)
+    engine.policy = policy(costs, table(0.001, 0.0) if draft != "ngram" else None, k_max=k,
+                           measure_overheads=False)  # decisions independent of this host
+    return engine
+
+
+@pytest.mark.parametrize("proposer", ["draft", "pruned-draft", "ngram", "self"])
+def test_greedy_equals_target_with_adaptive_k_auto_scoring_and_pruned_head(
+        target_model, proposer):
+    draft = {"ngram": "ngram", "self": build_tiny_model(TARGET)}.get(
+        proposer, build_tiny_model(TinyModelSpec(seed=2, num_layers=1)))
+    engine = adaptive_engine(target_model, draft, 64 if proposer == "pruned-draft" else 0)
+    chosen = []
+    requests = [greedy_request(str(i), p, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
+    for r in requests:
+        engine.add_request(r)
+    seqs = dict(engine.running)
+    while engine.has_unfinished():
+        engine.step()
+        chosen += engine.last_step.ks
+    for i, p in enumerate(PROMPTS):
+        assert seqs[str(i)].output_token_ids == reference_greedy(target_model, p, MAX_TOKENS)
+    assert any(chosen)  # it did speculate ...
+    if proposer == "self":  # ... and, accepting everything, went to the maximum k
+        assert max(chosen) == 4
+    if proposer == "pruned-draft":
+        assert isinstance(draft.lm_head, PrunedLMHead)
+
+
+def test_sampling_follows_the_target_with_adaptive_k_and_pruned_head(target_model):
+    """Two tokens per request, the second from a speculative step of a draft whose head
+    scores 64 of 256 ids (q = 0 elsewhere): the pair still follows the target's joint
+    distribution (chi-square as in test_engine_sampling, alpha = 1e-3, fixed seeds)."""
+    params = dict(temperature=1.0, top_k=6, top_p=0.95)
+    prompt = [5, 17, 99, 3, 42]
+    engine = adaptive_engine(target_model, build_tiny_model(TARGET), draft_vocab_size=64, k=2)
+    n = 3000
+    done = engine.generate([Request(str(i), prompt, SamplingParams(seed=i, max_tokens=2, **params))
+                            for i in range(n)])
+    pairs = [tuple(done[str(i)].output_token_ids) for i in range(n)]
+    assert engine.sampler.num_draft_tokens > 0
+
+    @torch.inference_mode()
+    def dist(tokens):
+        return truncated_probs(target_model(torch.tensor([tokens])).logits[0, -1:],
+                               SamplingParams(**params))[0]
+    p1, expected = dist(prompt), {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            expected[(t1, t2)] = float(p1[t1] * p2[t2]) * n
+    assert all(pair in expected for pair in pairs)
+    big = [c for c, e in expected.items() if e >= 5]
+    observed = [sum(p == c for p in pairs) for c in big]
+    exp = [expected[c] for c in big]
+    observed.append(n - sum(observed))
+    exp.append(n - sum(exp))
+    assert stats.chisquare(observed, exp).pvalue > 1e-3
