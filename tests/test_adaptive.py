@@ -257,3 +257,35 @@ def test_sampling_follows_the_target_with_adaptive_k_and_pruned_head(target_mode
     observed.append(n - sum(observed))
     exp.append(n - sum(exp))
     assert stats.chisquare(observed, exp).pvalue > 1e-3
+
+
+def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_model):
+    """The three services at their defaults (adaptive k, auto scoring) with a pruned draft
+    head: greedy output equals the target's; both services report measured costs; the
+    orchestrator exports the chosen k."""
+    import re
+    import urllib.request
+
+    import grpc
+
+    from orchestrator.client import SpecDecodeClient
+    from orchestrator.remote import RemoteProposer, RemoteScorer
+    from orchestrator.stack import LocalStack, StackConfig
+
+    config = StackConfig(target_model=tiny_model_dirs["target"], draft_model=tiny_model_dirs["draft"],
+                         tokenizer="none", device="cpu", port=0, draft_vocab_size=64)
+    assert (config.scoring, config.speculation) == ("auto", "adaptive")
+    with LocalStack(config) as stack:
+        with SpecDecodeClient(stack.address) as client:
+            for p in PROMPTS:
+                assert client.generate(p, max_tokens=MAX_TOKENS).token_ids == \
+                    reference_greedy(target_model, p, MAX_TOKENS)
+        for role, cls in (("proposer", RemoteProposer), ("scorer", RemoteScorer)):
+            with grpc.insecure_channel(stack.service_addresses[role]) as channel:
+                info = cls(channel).model_info()
+            assert info.forward_cost.rows == [1, 4] and info.forward_cost(1, 5) > 0
+        assert info.scoring_method == "auto"
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
+        count = float(re.search(r"^specdecode_chosen_k_count (\S+)$", body, re.M).group(1))
+        assert count >= len(PROMPTS) * 2  # one per sequence-step, prompt steps included
