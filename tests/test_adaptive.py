@@ -270,7 +270,7 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
 
     from orchestrator.client import SpecDecodeClient
     from orchestrator.remote import RemoteProposer, RemoteScorer
-    from orchestrator.stack import LocalStack, StackConfig
+    from specdecode_stack.local import LocalStack, StackConfig
 
     config = StackConfig(target_model=tiny_model_dirs["target"], draft_model=tiny_model_dirs["draft"],
                          tokenizer="none", device="cpu", port=0, draft_vocab_size=64)
