@@ -239,7 +239,7 @@ def test_sampling_follows_the_target_with_adaptive_k_and_pruned_head(target_mode
     done = engine.generate([Request(str(i), prompt, SamplingParams(seed=i, max_tokens=2, **params))
                             for i in range(n)])
     pairs = [tuple(done[str(i)].output_token_ids) for i in range(n)]
-    assert engine.sampler.num_draft_tokens > 0
+    assert sum(s.stats.draft_tokens for s in done.values()) > 0  # speculative second tokens
 
     @torch.inference_mode()
     def dist(tokens):
