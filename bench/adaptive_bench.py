@@ -20,8 +20,11 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
+import math
 import os
 import re
+import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -36,6 +39,9 @@ from orchestrator.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.model_packages import fetch
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -66,6 +72,7 @@ class Outcome:
     token_ids: list[int]
     draft: int = 0
     accepted: int = 0
+    chosen_k: float = math.nan  # mean k per sequence-step (stack, batch 1)
 
 
 def hf_generate(target, ids: list[int], max_tokens: int, **kw) -> Outcome:
@@ -87,7 +94,8 @@ def scrape(port: int) -> tuple[float, float]:
 
 def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
                    k: int | None, streams: int) -> tuple[list[Outcome], float, float]:
-    """Outcomes per prompt, wall seconds for all, mean chosen k per sequence-step."""
+    """Outcomes per prompt, wall seconds for all, and (streams > 1) the mean chosen k per
+    sequence-step over all of them."""
     def one(ids):
         with SpecDecodeClient(stack.address, timeout_s=3600) as client:
             start = time.perf_counter()
@@ -95,29 +103,40 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
             u = r.usage
             return Outcome(len(r.token_ids), time.perf_counter() - start, r.token_ids,
                            u["draft_tokens"], u["accepted_tokens"])
-    s0, c0 = scrape(stack.metrics_ports["orchestrator"])
+    def chosen_k(before, after) -> float:
+        return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else math.nan
+    port = stack.metrics_ports["orchestrator"]
     start = time.perf_counter()
-    if streams == 1:
-        outs = [one(p) for p in prompts]
-    else:
-        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-            outs = list(pool.map(one, prompts))
-    wall = time.perf_counter() - start
-    s1, c1 = scrape(stack.metrics_ports["orchestrator"])
-    return outs, wall, (s1 - s0) / (c1 - c0) if c1 > c0 else float("nan")
+    if streams == 1:  # one at a time, each with its own mean chosen k
+        outs = []
+        for p in prompts:
+            before = scrape(port)
+            outs.append(one(p))
+            outs[-1].chosen_k = chosen_k(before, scrape(port))
+        return outs, time.perf_counter() - start, math.nan
+    before = scrape(port)
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        outs = list(pool.map(one, prompts))
+    return outs, time.perf_counter() - start, chosen_k(before, scrape(port))
 
 
 @click.command()
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
-@click.option("--quick", is_flag=True, help="One prompt per class, --max-tokens 16, k in {2,4,8} "
-              "for multi-query and {4} for batch expansion, HF constant k in {4}.")
+@click.option("--quick", is_flag=True, help="One prompt per class, at most 16 tokens each, "
+              "k in {2,4,8} for multi-query and {4} for batch expansion, HF constant k {4}.")
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--fixed-k", default="2,4,8", show_default=True)
 @click.option("--be-k", default="2,4,8", show_default=True, help="Fixed k for batch expansion.")
 @click.option("--hf-k", default="2,4,8", show_default=True, help="HF assisted constant k.")
 @click.option("--draft-vocab", default=32768, show_default=True)
-@click.option("--parts", default="hf,stack,ngram,streams", show_default=True)
-def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> None:
+@click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
+              help="tiny: random test models, to check this script in seconds.")
+@click.option("--parts", default="hf,defaults,streams,pruned,fixed,ngram", show_default=True,
+              help="hf: HF assisted and prompt lookup (HF target-only always runs); defaults: "
+                   "the stack at its defaults and at k=0; streams: 4 concurrent streams; "
+                   "pruned: defaults with the pruned draft head; fixed: fixed k, both "
+                   "scorers; ngram: the n-gram proposer at defaults and at k=0.")
+def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pair) -> None:
     parts = set(parts.split(","))
     per_class = 1 if quick else 2
     if quick:
@@ -125,10 +144,17 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> 
     fixed, be_ks, hf_ks = ([int(x) for x in s.split(",") if x] for s in (fixed_k, be_k, hf_k))
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     console = Console(width=170)
-    draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
-    target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
-    tok = load_tokenizer(target_dir)
-    classes = [(c, tok(p).input_ids) for c, ps in PROMPTS.items() for p in ps[:per_class]]
+    if pair == "tiny":  # a smoke test of this script: random models, prompts as byte ids
+        tmp = Path(tempfile.mkdtemp())
+        target_dir, draft_dir = tmp / "target", tmp / "draft"
+        build_tiny_model(TinyModelSpec(seed=1)).save_pretrained(target_dir)
+        build_tiny_model(TinyModelSpec(seed=2, num_layers=1)).save_pretrained(draft_dir)
+        encode = lambda text: [b % 256 for b in text.encode()][-48:]  # noqa: E731
+    else:
+        draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
+        target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
+        encode = lambda text: load_tokenizer(target_dir)(text).input_ids  # noqa: E731
+    classes = [(c, encode(p)) for c, ps in PROMPTS.items() for p in ps[:per_class]]
     prompts = [ids for _, ids in classes]
     for dtype in dtypes.split(","):
         torch_dtype = getattr(torch, dtype)
@@ -139,7 +165,8 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> 
             for (cls, _), o in zip(classes, outs):
                 rows.append({"path": path, "class": cls, "streams": streams, "tokens": o.tokens,
                              "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
-                             "token_ids": o.token_ids, "chosen_k": chosen})
+                             "token_ids": o.token_ids,
+                             "chosen_k": o.chosen_k if streams == 1 else chosen})
             if wall is not None:
                 rows.append({"path": path, "class": "all", "streams": streams, "seconds": wall,
                              "tokens": sum(o.tokens for o in outs), "draft": sum(o.draft for o in outs),
@@ -169,7 +196,7 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> 
             return LocalStack(StackConfig(target_model=str(target_dir), tokenizer="none",
                                           device="cpu", dtype=dtype, port=0, **kw))
         draft_path = str(draft_dir)
-        if "stack" in parts:
+        if "defaults" in parts:
             with stack(draft_model=draft_path) as s:  # defaults: adaptive, auto, k <= 4
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
                 add("stack defaults", outs, chosen)
@@ -179,20 +206,21 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> 
                     for label, k in (("stack defaults", None), ("stack k=0", 0)):
                         outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
                         add(label, outs, chosen, wall, streams=len(prompts))
+        if "pruned" in parts:
             with stack(draft_model=draft_path, draft_vocab_size=draft_vocab) as s:
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
                 add(f"stack defaults, draft head {draft_vocab}", outs, chosen)
-            for scoring, ks in (("multi-query", fixed), ("batch-expansion", be_ks)):
-                if not ks:
-                    continue
-                with stack(draft_model=draft_path, scoring=scoring, speculation="fixed",
-                           num_speculative_tokens=max(ks)) as s:
-                    for k in ks:
-                        outs, _, chosen = stack_generate(s, prompts, max_tokens, k, 1)
-                        add(f"stack fixed k={k}, {scoring}", outs, chosen)
-                    if scoring == "multi-query" and "streams" in parts:
-                        outs, wall, chosen = stack_generate(s, prompts, max_tokens, 4, len(prompts))
-                        add("stack fixed k=4, multi-query", outs, chosen, wall, streams=len(prompts))
+        for scoring, ks in (("multi-query", fixed), ("batch-expansion", be_ks)):
+            if "fixed" not in parts or not ks:
+                continue
+            with stack(draft_model=draft_path, scoring=scoring, speculation="fixed",
+                       num_speculative_tokens=max(ks)) as s:
+                for k in ks:
+                    outs, _, chosen = stack_generate(s, prompts, max_tokens, k, 1)
+                    add(f"stack fixed k={k}, {scoring}", outs, chosen)
+                if scoring == "multi-query" and "streams" in parts:
+                    outs, wall, chosen = stack_generate(s, prompts, max_tokens, 4, len(prompts))
+                    add("stack fixed k=4, multi-query", outs, chosen, wall, streams=len(prompts))
         if "ngram" in parts:
             with stack(draft_model="ngram") as s:
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
@@ -200,14 +228,15 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts) -> 
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, 0, 1)
                 add("stack n-gram k=0", outs, chosen)
         report(console, rows, reference, classes, dtype, isa, max_tokens,
-               time.perf_counter() - t_start)
+               time.perf_counter() - t_start, pair)
 
 
-def report(console, rows, reference, classes, dtype, isa, max_tokens, seconds) -> None:
+def report(console, rows, reference, classes, dtype, isa, max_tokens, seconds, pair) -> None:
     ref_by_class: dict[str, list] = {}
     for (cls, _), o in zip(classes, reference):
         ref_by_class.setdefault(cls, []).append(o)
-    table = Table(title=f"Qwen2.5-Coder 0.5B -> 1.5B, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
+    name = "Qwen2.5-Coder 0.5B -> 1.5B" if pair == "qwen" else "tiny random models"
+    table = Table(title=f"{name}, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
                         f"{max_tokens} tokens/prompt, greedy; {seconds / 60:.1f} min")
     for col in ("path", "streams", "class", "tokens/s", "vs HF target-only", "vs own k=0",
                 "acceptance", "chosen k", "equal to target-only"):
@@ -249,7 +278,7 @@ def report(console, rows, reference, classes, dtype, isa, max_tokens, seconds) -
                       "-" if rs[0]["chosen_k"] != rs[0]["chosen_k"] else f"{rs[0]['chosen_k']:.2f}",
                       equal)
     console.print(table)
-    path = Path(f"bench/results/adaptive_{dtype}_{isa}.json")
+    path = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"dtype": dtype, "isa": isa, "max_tokens": max_tokens,
                                 "minutes": seconds / 60, "rows": out}, indent=2))

@@ -100,7 +100,7 @@ class ForwardCosts:
 
 
 def calibrate(runner: ModelRunner, rows: tuple[int, ...] = CALIBRATION_ROWS,
-              tokens: tuple[int, ...] = CALIBRATION_TOKENS, repeats: int = 3,
+              tokens: tuple[int, ...] = CALIBRATION_TOKENS, repeats: int = 2,
               context: int = CALIBRATION_CONTEXT) -> ForwardCosts:
     """Time runner.forward for every (rows, tokens) cell on a warm cache of `context`
     tokens per row; the fastest of `repeats` after one untimed warm-up (other processes
