@@ -21,14 +21,9 @@ tried again once the prior makes speculation look worth it.
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdecode.cost_model import ForwardCosts, verify_seconds
-
-log = logging.getLogger(__name__)
 
 DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
 IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
@@ -98,14 +93,11 @@ class SpeculationPolicy:
     def __init__(self, k_max: int, *, adaptive: bool = True,
                  scorer_costs: ForwardCosts | None = None,
                  draft_costs: ForwardCosts | None = None, draft_model: bool = True,
-                 scoring: str = "auto", prior: float = 0.6,
-                 refresh: Callable[[], tuple[ForwardCosts | None, ForwardCosts | None]] | None = None,
-                 refresh_every_s: float = 30.0, measure_overheads: bool = True):
+                 scoring: str = "auto", prior: float = 0.6, measure_overheads: bool = True):
         """scorer_costs / draft_costs: measured forward costs (ModelInfo.forward_cost);
         draft_model False: an n-gram proposer (no forward cost); scoring: the scorer's
-        method (auto | multi-query | batch-expansion); refresh: returns fresh
-        (draft_costs, scorer_costs) from the services, called every refresh_every_s;
-        measure_overheads: add the time each step spends outside the predicted forwards
+        method (auto | multi-query | batch-expansion); prior: the acceptance assumed before
+        any is observed; measure_overheads: add the time each step spends outside the predicted forwards
         (RPCs, sampling), learned from earlier steps."""
         self.k_max = k_max
         self.scorer_costs, self.draft_costs, self.draft_model = scorer_costs, draft_costs, draft_model
@@ -115,8 +107,6 @@ class SpeculationPolicy:
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0)
         self.overhead = {"step": 0.0, "propose": 0.0, "score": 0.0}  # seconds, measured
-        self.refresh, self.refresh_every_s = refresh, refresh_every_s
-        self._refreshed = time.monotonic()
         self.measure_overheads = measure_overheads
 
     # -- choosing k ------------------------------------------------------------------------
@@ -125,7 +115,6 @@ class SpeculationPolicy:
         caps = [min(c.cap, self.k_max) for c in candidates]
         if not self.adaptive or not candidates:
             return Plan(caps, "", 0.0, 0.0)
-        self._maybe_refresh()
         prior = self.all.alpha(0.5, 0.0)
         est = [self.seqs.get(c.seq_id, Acceptance()) for c in candidates]
         alphas = [a.alpha(prior) for a in est]
@@ -209,15 +198,3 @@ class SpeculationPolicy:
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
-
-    def _maybe_refresh(self) -> None:
-        if self.refresh is None or time.monotonic() - self._refreshed < self.refresh_every_s:
-            return
-        self._refreshed = time.monotonic()
-        try:
-            draft, scorer = self.refresh()
-        except Exception as exc:  # keep the costs we have; the step itself is unaffected
-            log.warning("refreshing forward costs failed: %s", exc)
-            return
-        if scorer is not None and (draft is not None or not self.draft_model):
-            self.draft_costs, self.scorer_costs = draft, scorer
