@@ -1,29 +1,41 @@
 """Runs a batch of sequences of different lengths through a transformers causal LM in one
-forward pass, with a KV cache per sequence id.
+forward pass, over a KV cache pool allocated once from a memory budget.
 
 Stateless semantics, cached execution (docs/design.md, invariant 3): every row carries its
-full token ids; the cache only saves work. A row reuses the longest prefix its cache entry shares with
-its tokens (a rollback when proposals were rejected), and recomputes everything on a miss.
+full token ids; the pool only saves work. A row reuses the longest prefix its pool entry shares with its
+tokens (after a rejection that is a rollback: the entry's length is cut) and recomputes
+everything on a miss or after its entry was evicted. Rows that share a cache id (batch
+expansion) are prefixes of one another: the longest writes the new keys/values, and every
+row attends over the same pool slots. A batch whose sequences do not fit in the pool together
+runs in parts; a request never fails for lack of cache.
 
-Batch layout, for row i with `past_i` cached and `n_i` new tokens, P = max past, N = max new:
-
-    keys:   [ pad (P - past_i) | cached past_i | new n_i | pad (N - n_i) ]
-    mask:   [       0          |      1        |    1    |       0       ]
-
-Past is left-padded and new tokens right-padded, so every query (pads included) sees at
-least one real key, and causal masking keeps real queries off the right padding.
+Two paths (docs/design.md, Executor):
+- fast (Llama, Qwen2): `LlamaLikeForward` packs the batch's new tokens, writes keys/values into
+  the pool in place and attends over the pool through an `AttentionBackend` (no copy of the past);
+- generic (any other causal LM): the model's own forward over a DynamicCache built from the
+  pool (left-padded past, right-padded new tokens), whose new keys/values are then written back.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import count
 
 import torch
 from opentelemetry import trace
 from transformers import DynamicCache
+
+from specdecode.attention import AttentionBackend, AttnBatch, SdpaBackend, select_backend
+from specdecode.fast_forward import LlamaLikeForward, fast_path_unsupported
+from specdecode.kv_pool import KVPool, PoolEntry, PoolFull
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes, when no budget is given (capped by the need below)
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -33,13 +45,6 @@ class RunnerRow:
     cache_id: int
     token_ids: list[int]
     num_queries: int  # logits are returned for the last num_queries positions
-
-
-@dataclass
-class _CacheEntry:
-    token_ids: list[int]
-    keys: torch.Tensor  # [layers, heads, len, head_dim]: all layers in one tensor, so a
-    values: torch.Tensor  # row costs one copy per forward, not one per layer
 
 
 @dataclass
@@ -64,43 +69,96 @@ class ForwardStats:
     seconds: float
 
 
+@dataclass
+class _Plan:
+    """One forward's batch, laid out over the pool."""
+
+    rows: list[RunnerRow]
+    past: list[int]  # [B] tokens read from the pool (not recomputed)
+    starts: list[int]  # [B] first pool slot of each row's entry
+    writes: list[bool]  # [B] whether the row writes its new keys/values (owns its entry)
+    entries: dict[int, tuple[PoolEntry, list[int]]]  # cache id -> (entry, owner's tokens)
+    temporary: list[int]  # private cache ids to release after the forward
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
     return n
 
 
+def kv_geometry(model) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a causal LM, read from one cached forward pass, so
+    that any model with a uniform DynamicCache is covered."""
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=cache,
+              use_cache=True)
+    shapes = {tuple(layer.keys.shape[1::2]) for layer in cache.layers}
+    if len(shapes) != 1:
+        raise ValueError(f"model: layers with different KV shapes {sorted(shapes)} are not "
+                         "supported by the KV pool")
+    ((heads, dim),) = shapes
+    return len(cache.layers), heads, dim
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, max_model_len: int | None = None,
-                 max_cached_sequences: int = 1024):
+                 kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 backend: AttentionBackend | None = None, fast_path: bool = True):
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
-        self.max_model_len: int = min(max_model_len or 1 << 62,
-                                      model.config.max_position_embeddings)
-        self.max_cached_sequences = max_cached_sequences
-        self._cache: OrderedDict[int, _CacheEntry] = OrderedDict()
+        why_not = fast_path_unsupported(model) if fast_path else "disabled"
+        self.fast = LlamaLikeForward(model) if why_not is None else None
+        # The generic path builds DynamicCaches from the pool's [layers, 2, heads, tokens, dim].
+        self.backend = (backend or select_backend(device)) if self.fast else SdpaBackend()
+        if self.fast:
+            layers, heads, dim = len(self.fast.layers), self.fast.num_kv_heads, self.fast.head_dim
+        else:
+            layers, heads, dim = kv_geometry(model)
+        dtype = next(model.parameters()).dtype
+        bytes_per_token = layers * 2 * heads * dim * dtype.itemsize
+        max_len = min(max_model_len or 1 << 62, model.config.max_position_embeddings)
+        budget = kv_cache_memory or min(DEFAULT_KV_CACHE_MEMORY,
+                                        max_num_seqs * max_len * bytes_per_token)
+        block = self.backend.block_size
+        tokens = budget // bytes_per_token // block * block
+        if tokens < block:
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold less than one block of "
+                             f"{block} tokens ({bytes_per_token} bytes per token)")
+        if tokens < max_len:
+            log.warning("max_model_len %d cut to %d: the KV cache budget (%d bytes) holds no "
+                        "more", max_len, tokens, budget)
+        self.max_model_len: int = min(max_len, tokens)
+        kv = self.backend.allocate(layers, heads, tokens, dim, dtype, device)
+        self.pool = KVPool(kv, self.backend.token_dim, block, max_num_seqs)
+        self.bytes_per_token = bytes_per_token
+        self._temporary_ids = count(-1, -1)
         self.stats = RunnerStats()
         # Called after every forward pass (e.g. to observe Prometheus histograms).
         self.on_forward: Callable[[ForwardStats], None] | None = None
+        log.info("model runner: %s path%s, attention %s, KV pool %.1f MiB = %d tokens "
+                 "(%d bytes each), max %d sequences, max_model_len %d",
+                 "fast" if self.fast else "generic", "" if self.fast else f" ({why_not})",
+                 self.backend.name, self.pool.nbytes / 2**20, tokens, bytes_per_token,
+                 max_num_seqs, self.max_model_len)
 
     @property
     def num_cached_sequences(self) -> int:
-        return len(self._cache)
+        return self.pool.num_sequences
+
+    @property
+    def max_cached_sequences(self) -> int:
+        return self.pool.max_num_seqs
 
     def release(self, cache_ids: list[int]) -> int:
         """Drop cache entries; returns how many existed."""
-        return sum(self._cache.pop(i, None) is not None for i in cache_ids)
-
-    def _cached_len(self, row: RunnerRow) -> int:
-        entry = self._cache.get(row.cache_id)
-        if entry is None:
-            return 0
-        # Query positions must be recomputed: the cache holds keys/values, not logits.
-        return min(_common_prefix_len(entry.token_ids, row.token_ids),
-                   len(row.token_ids) - row.num_queries)
+        return self.pool.release(cache_ids)
 
     @torch.inference_mode()
     def forward(self, rows: list[RunnerRow]) -> list[torch.Tensor]:
@@ -110,30 +168,15 @@ class ModelRunner:
         for row in rows:
             if not 1 <= row.num_queries <= len(row.token_ids):
                 raise ValueError(f"num_queries: {row.num_queries} not in [1, {len(row.token_ids)}]")
+            if len(row.token_ids) > self.max_model_len:
+                raise ValueError(f"token_ids: {len(row.token_ids)} tokens exceed max_model_len "
+                                 f"{self.max_model_len}")
         start = time.perf_counter()
-        past = [self._cached_len(r) for r in rows]  # [B]
-        new = [len(r.token_ids) - p for r, p in zip(rows, past)]  # [B]
-        B, P, N = len(rows), max(past), max(new)
-
-        input_ids = torch.zeros(B, N, dtype=torch.long)
-        attention_mask = torch.zeros(B, P + N, dtype=torch.long)
-        position_ids = torch.zeros(B, N, dtype=torch.long)
-        for i, (row, p, n) in enumerate(zip(rows, past, new)):
-            input_ids[i, :n] = torch.tensor(row.token_ids[p:], dtype=torch.long)
-            attention_mask[i, P - p:P + n] = 1
-            position_ids[i] = torch.arange(p, p + N)
-        cache = DynamicCache(self._stack_past(rows, past, P)) if P else DynamicCache()
-
-        out = self.model(input_ids=input_ids.to(self.device),
-                         attention_mask=attention_mask.to(self.device),
-                         position_ids=position_ids.to(self.device),
-                         cache=cache, use_cache=True)
-        logits = out.logits.float()  # [B, N, V]
-        results = [logits[i, n - r.num_queries:n] for i, (r, n) in enumerate(zip(rows, new))]
-
-        self._store(rows, past, new, P, cache)
-        hits, computed = sum(p > 0 for p in past), sum(new)
+        results, past = self._forward_fitting(rows)
+        hits, computed = sum(p > 0 for p in past), sum(len(r.token_ids) - p
+                                                       for r, p in zip(rows, past))
         seconds = time.perf_counter() - start
+        B = len(rows)
         self.stats.cache_hits += hits
         self.stats.cache_misses += B - hits
         self.stats.tokens_computed += computed
@@ -150,35 +193,113 @@ class ModelRunner:
             self.on_forward(ForwardStats(B, computed, hits, B - hits, seconds))
         return results
 
-    def _stack_past(self, rows: list[RunnerRow], past: list[int], P: int):
-        """Per layer: cached keys/values of every row, left-padded to P. [B, heads, P, dim]"""
-        template = self._cache[next(r.cache_id for r, p in zip(rows, past) if p)].keys
-        L, H, _, D = template.shape
-        keys = template.new_zeros(L, len(rows), H, P, D)
-        values = template.new_zeros(L, len(rows), H, P, D)
-        for i, (row, p) in enumerate(zip(rows, past)):
-            if p:
-                entry = self._cache[row.cache_id]
-                keys[:, i, :, P - p:] = entry.keys[:, :, :p]
-                values[:, i, :, P - p:] = entry.values[:, :, :p]
-        return list(zip(keys.unbind(0), values.unbind(0)))
+    def _forward_fitting(self, rows: list[RunnerRow]) -> tuple[list[torch.Tensor], list[int]]:
+        """One forward when the batch fits in the pool, else halves of it in turn."""
+        try:
+            plan = self._plan(rows)
+        except PoolFull:
+            if len(rows) == 1:
+                raise ValueError(f"token_ids: {len(rows[0].token_ids)} tokens do not fit in "
+                                 "the KV cache pool") from None
+            half = len(rows) // 2
+            a, pa = self._forward_fitting(rows[:half])
+            b, pb = self._forward_fitting(rows[half:])
+            return a + b, pa + pb
+        try:
+            logits = self._run_fast(plan) if self.fast else self._run_generic(plan)
+            for entry, tokens in plan.entries.values():
+                entry.token_ids[:] = tokens
+        finally:
+            self.pool.release(plan.temporary)
+        return logits, plan.past
 
-    def _store(self, rows, past, new, P, cache) -> None:
-        """Per cache id, keep the keys/values of its longest row: rows sharing a cache id
-        (batch expansion) are prefixes of one another, and the next step's request rolls
-        the entry back to what it shares."""
-        longest: dict[int, int] = {}
+    def _plan(self, rows: list[RunnerRow]) -> _Plan:
+        """Group rows by cache id (the longest row owns the entry; a row that is not its
+        prefix gets a private one), cut each entry to what it shares with its owner, and
+        reserve room for the owner's tokens."""
+        ids = [r.cache_id for r in rows]
+        owner: dict[int, int] = {}
         for i, row in enumerate(rows):
-            j = longest.get(row.cache_id)
+            j = owner.get(row.cache_id)
             if j is None or len(row.token_ids) > len(rows[j].token_ids):
-                longest[row.cache_id] = i
-        keys = torch.stack([layer.keys for layer in cache.layers])  # [L, B, heads, P+N, dim]
+                owner[row.cache_id] = i
+        temporary = []
+        for i, row in enumerate(rows):
+            own = rows[owner[row.cache_id]].token_ids
+            if i != owner[row.cache_id] and row.token_ids != own[:len(row.token_ids)]:
+                ids[i] = next(self._temporary_ids)
+                owner[ids[i]] = i
+                temporary.append(ids[i])
+        pinned = set(ids)
+        kept: dict[int, int] = {}
+        entries: dict[int, tuple[PoolEntry, list[int]]] = {}
+        try:
+            for cache_id, i in owner.items():
+                tokens = rows[i].token_ids
+                entry = self.pool.get(cache_id)
+                valid = _common_prefix_len(entry.token_ids, tokens) if entry else 0
+                keep = min(valid, len(tokens) - rows[i].num_queries)
+                entry = self.pool.reserve(cache_id, len(tokens), keep, pinned)
+                kept[cache_id] = len(entry.token_ids)
+                entries[cache_id] = (entry, list(tokens))
+        except PoolFull:
+            self.pool.release(temporary)
+            raise
+        past = [min(kept[c], len(r.token_ids) - r.num_queries) for c, r in zip(ids, rows)]
+        return _Plan(rows, past, [entries[c][0].start for c in ids],
+                     [owner[c] == i for i, c in enumerate(ids)], entries, temporary)
+
+    def _run_fast(self, plan: _Plan) -> list[torch.Tensor]:
+        input_ids, positions, query_index, slots, written = [], [], [], [], []
+        q_starts, kv_lens = [0], []
+        for row, p, s, w in zip(plan.rows, plan.past, plan.starts, plan.writes):
+            n, L = len(row.token_ids) - p, len(row.token_ids)
+            input_ids += row.token_ids[p:]
+            positions += range(p, L)
+            query_index += range(q_starts[-1] + n - row.num_queries, q_starts[-1] + n)
+            if w:
+                slots += range(s + p, s + L)
+                written += range(q_starts[-1], q_starts[-1] + n)
+            q_starts.append(q_starts[-1] + n)
+            kv_lens.append(L)
+        dev = self.device
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        batch = AttnBatch(q_starts, plan.starts, kv_lens, as_long(slots),
+                          None if len(written) == q_starts[-1] else as_long(written))
+        self.backend.prepare(batch, self.fast.num_heads // self.fast.num_kv_heads, dev)
+        logits = self.fast(as_long(input_ids), as_long(positions), as_long(query_index),
+                           self.pool.kv, self.backend, batch)  # [Q, V]
+        return list(logits.split([r.num_queries for r in plan.rows]))
+
+    def _run_generic(self, plan: _Plan) -> list[torch.Tensor]:
+        """Keys [pad (P - past_i) | cached past_i | new n_i | pad (N - n_i)], mask 0/1/1/0:
+        every query sees at least one real key; causal masking keeps real queries off the
+        right padding."""
+        rows, past, kv = plan.rows, plan.past, self.pool.kv
+        new = [len(r.token_ids) - p for r, p in zip(rows, past)]
+        B, P, N = len(rows), max(past), max(new)
+        input_ids = torch.zeros(B, N, dtype=torch.long)
+        attention_mask = torch.zeros(B, P + N, dtype=torch.long)
+        position_ids = torch.zeros(B, N, dtype=torch.long)
+        for i, (row, p, n) in enumerate(zip(rows, past, new)):
+            input_ids[i, :n] = torch.tensor(row.token_ids[p:], dtype=torch.long)
+            attention_mask[i, P - p:P + n] = 1
+            position_ids[i] = torch.arange(p, p + N)
+        cache = DynamicCache()
+        if P:
+            L, _, H, _, D = kv.shape
+            padded = kv.new_zeros(L, 2, B, H, P, D)
+            for i, (p, s) in enumerate(zip(past, plan.starts)):
+                padded[:, :, i, :, P - p:] = kv[:, :, :, s:s + p]
+            cache = DynamicCache(list(zip(padded[:, 0].unbind(0), padded[:, 1].unbind(0))))
+        out = self.model(input_ids=input_ids.to(self.device),
+                         attention_mask=attention_mask.to(self.device),
+                         position_ids=position_ids.to(self.device), cache=cache, use_cache=True)
+        keys = torch.stack([layer.keys for layer in cache.layers])  # [L, B, H, P+N, D]
         values = torch.stack([layer.values for layer in cache.layers])
-        for cache_id, i in longest.items():
-            p, n = past[i], new[i]
-            self._cache[cache_id] = _CacheEntry(list(rows[i].token_ids),
-                                                keys[:, i, :, P - p:P + n].clone(),
-                                                values[:, i, :, P - p:P + n].clone())
-            self._cache.move_to_end(cache_id)
-        while len(self._cache) > self.max_cached_sequences:
-            self._cache.popitem(last=False)
+        for i, (p, n, s) in enumerate(zip(past, new, plan.starts)):
+            if plan.writes[i]:
+                kv[:, 0, :, s + p:s + p + n] = keys[:, i, :, P:P + n]
+                kv[:, 1, :, s + p:s + p + n] = values[:, i, :, P:P + n]
+        logits = out.logits.float()  # [B, N, V]
+        return [logits[i, n - r.num_queries:n] for i, (r, n) in enumerate(zip(rows, new))]

@@ -48,7 +48,7 @@ def test_runner_recomputes_when_cache_disagrees(target_model):
 
 
 def test_runner_evicts_least_recent(target_model):
-    runner = ModelRunner(target_model, CPU, max_cached_sequences=2)
+    runner = ModelRunner(target_model, CPU, max_num_seqs=2)
     for i in range(3):
         runner.forward([RunnerRow(i, [1, 2, 3], 1)])
     assert runner.num_cached_sequences == 2 and runner.release([0]) == 0
