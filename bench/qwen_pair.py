@@ -38,6 +38,18 @@ PROMPTS = [
 ]
 
 
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy `generate` (target only, its default dynamic cache), the
+    prompts left-padded into one batch; exactly max_tokens new tokens each."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
+
+
 @click.command()
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--max-tokens", default=48, show_default=True)
@@ -52,11 +64,20 @@ def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str
     draft = load_model(paths["draft"], torch.device("cpu"), torch_dtype)
     tok = load_tokenizer(paths["target"])
     prompts = [tok(p).input_ids for p in PROMPTS[:batch]]
-    configs = [("target-only", 0), ("batch-expansion", k), ("multi-query", k)]
+    configs = [("target-only", 0), ("hf-generate", 0), ("batch-expansion", k),
+               ("multi-query", k)]
     runs = {c: [] for c in configs}
     outputs = {}
     for _ in range(repeats):
         for scoring, kk in configs:
+            if scoring == "hf-generate":
+                start = time.perf_counter()
+                out = hf_generate(target, prompts, max_tokens)
+                seconds = time.perf_counter() - start
+                runs[(scoring, kk)].append({"tokens_per_s": sum(map(len, out)) / seconds,
+                                            "acceptance": None, "steps": max_tokens})
+                outputs[(scoring, kk)] = out
+                continue
             eng = engine(target, draft, "multi-query" if kk == 0 else scoring, kk)
             start = time.perf_counter()
             done = eng.generate([Request(str(i), p, SamplingParams(max_tokens=max_tokens))

@@ -9,7 +9,7 @@ from pathlib import Path
 from specdecode.cost_model import ForwardCosts
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_info import ModelInfo
-from specdecode.model_runner import ModelRunner
+from specdecode.model_runner import DEFAULT_MAX_NUM_SEQS, ModelRunner
 from specdecode.models import (default_model_path, has_tokenizer, load_model, load_tokenizer,
                                resolve_model_dir, tokenizer_fingerprint, vocab_fingerprint)
 
@@ -20,6 +20,27 @@ class ModelOptions:
     device: str = "auto"
     dtype: str = "float32"
     max_model_len: int | None = None
+    kv_cache_memory: int | None = None  # bytes; None = the runner's default budget
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    enforce_eager: bool = False  # no captured graphs (CUDA)
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '1e9', '1000000' -> bytes."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"{text!r} is not a size (bytes, or a number with KiB, MiB, GiB, "
+                         "KB, MB, GB)") from None
+    if value < 1:
+        raise ValueError(f"{text!r}: must be positive")
+    return int(value)
 
 
 def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
@@ -28,7 +49,8 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
     device = resolve_device(options.device)
     model_dir = resolve_model_dir(options.model)
     model = load_model(model_dir, device, resolve_dtype(options.dtype))
-    runner = ModelRunner(model, device, options.max_model_len)
+    runner = ModelRunner(model, device, options.max_model_len, options.kv_cache_memory,
+                         options.max_num_seqs, enforce_eager=options.enforce_eager)
     if has_tokenizer(model_dir):
         fingerprint = tokenizer_fingerprint(load_tokenizer(model_dir))
     else:

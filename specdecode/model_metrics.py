@@ -27,7 +27,7 @@ class RunnerCollector:
         self.runner, self.role = runner, role
 
     def collect(self):
-        stats, labels = self.runner.stats, [self.role]
+        stats, labels, pool = self.runner.stats, [self.role], self.runner.pool
         families = [
             (CounterMetricFamily, "specdecode_kv_cache_hits", "Rows that reused a cached KV "
              "prefix.", stats.cache_hits),
@@ -40,6 +40,18 @@ class RunnerCollector:
             (GaugeMetricFamily, "specdecode_kv_cache_capacity_sequences", "Most sequences the "
              "KV cache keeps (least recently used are evicted).",
              self.runner.max_cached_sequences),
+            (GaugeMetricFamily, "specdecode_kv_cache_tokens", "Tokens whose keys/values the "
+             "KV cache pool holds.", pool.tokens_held),
+            (GaugeMetricFamily, "specdecode_kv_cache_reserved_tokens", "Token slots reserved "
+             "by cached sequences (held tokens plus growth room).", pool.tokens_reserved),
+            (GaugeMetricFamily, "specdecode_kv_cache_capacity_tokens", "Token slots in the KV "
+             "cache pool.", pool.capacity_tokens),
+            (GaugeMetricFamily, "specdecode_kv_cache_occupancy", "Reserved / capacity token "
+             "slots of the KV cache pool (0 to 1).", pool.tokens_reserved / pool.capacity_tokens),
+            (GaugeMetricFamily, "specdecode_kv_cache_memory_bytes", "Size of the KV cache pool "
+             "(allocated once).", pool.nbytes),
+            (CounterMetricFamily, "specdecode_kv_cache_evictions", "Sequences dropped from the "
+             "KV cache to make room (recomputed when they return).", pool.stats.evictions),
         ]
         for cls, name, doc, value in families:
             family = cls(name, doc, labels=["role"])

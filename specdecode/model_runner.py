@@ -28,7 +28,9 @@ import torch
 from opentelemetry import trace
 from transformers import DynamicCache
 
-from specdecode.attention import AttentionBackend, AttnBatch, SdpaBackend, select_backend
+from specdecode.attention import (AttentionBackend, AttnBatch, FlashAttnBackend, SdpaBackend,
+                                  select_backend)
+from specdecode.cuda_graphs import QUERY_LENS, CudaGraphs
 from specdecode.fast_forward import LlamaLikeForward, fast_path_unsupported
 from specdecode.kv_pool import KVPool, PoolEntry, PoolFull
 
@@ -109,7 +111,8 @@ def kv_geometry(model) -> tuple[int, int, int]:
 class ModelRunner:
     def __init__(self, model, device: torch.device, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 backend: AttentionBackend | None = None, fast_path: bool = True):
+                 enforce_eager: bool = False, backend: AttentionBackend | None = None,
+                 fast_path: bool = True):
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
@@ -135,8 +138,13 @@ class ModelRunner:
             log.warning("max_model_len %d cut to %d: the KV cache budget (%d bytes) holds no "
                         "more", max_len, tokens, budget)
         self.max_model_len: int = min(max_len, tokens)
-        kv = self.backend.allocate(layers, heads, tokens, dim, dtype, device)
-        self.pool = KVPool(kv, self.backend.token_dim, block, max_num_seqs)
+        self.graphs: CudaGraphs | None = None
+        graphs = (self.fast is not None and device.type == "cuda" and not enforce_eager
+                  and isinstance(self.backend, FlashAttnBackend))
+        # With graphs, one scratch block past the pool's own is where padding rows go.
+        kv = self.backend.allocate(layers, heads, tokens + block * graphs, dim, dtype, device)
+        self.pool = KVPool(kv.narrow(self.backend.token_dim, 0, tokens), self.backend.token_dim,
+                           block, max_num_seqs)
         self.bytes_per_token = bytes_per_token
         self._temporary_ids = count(-1, -1)
         self.stats = RunnerStats()
@@ -147,6 +155,14 @@ class ModelRunner:
                  "fast" if self.fast else "generic", "" if self.fast else f" ({why_not})",
                  self.backend.name, self.pool.nbytes / 2**20, tokens, bytes_per_token,
                  max_num_seqs, self.max_model_len)
+        if graphs:
+            self.graphs = CudaGraphs(self.fast, kv, self.backend, tokens // block,
+                                     self.max_model_len, device)
+            self.graphs.capture()
+        else:
+            log.info("model runner: eager, no captured graphs (%s)",
+                     "--enforce-eager" if enforce_eager else
+                     "they need CUDA, the fast path and flash-attn")
 
     @property
     def num_cached_sequences(self) -> int:
@@ -262,6 +278,13 @@ class ModelRunner:
                 written += range(q_starts[-1], q_starts[-1] + n)
             q_starts.append(q_starts[-1] + n)
             kv_lens.append(L)
+        q = plan.rows[0].num_queries
+        if self.graphs and all(plan.writes) and q in QUERY_LENS and all(
+                r.num_queries == q and len(r.token_ids) - p == q
+                for r, p in zip(plan.rows, plan.past)):
+            logits = self.graphs.run(input_ids, positions, slots, plan.starts, kv_lens, q)
+            if logits is not None:
+                return list(logits.split([q] * len(plan.rows)))
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
         batch = AttnBatch(q_starts, plan.starts, kv_lens, as_long(slots),

@@ -22,7 +22,7 @@ from orchestrator.remote import ServiceUnreachableError
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
-from specdecode.model_loading import ModelOptions
+from specdecode.model_loading import ModelOptions, parse_size
 from specdecode.server import ServerOptions
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
@@ -62,10 +62,25 @@ def model_options(fn):
         opt("--device", default="auto", type=click.Choice(DEVICE_CHOICES)),
         opt("--dtype", default="float32", type=click.Choice(list(DTYPES))),
         opt("--max-model-len", default=None, type=int,
-            help="Cap on tokens per sequence (default: the model's own limit)."),
+            help="Cap on tokens per sequence (default: the model's own limit, or what the KV "
+                 "cache budget holds if less)."),
+        opt("--kv-cache-memory", default=None, callback=_size,
+            help="KV cache pool size, allocated once at start: bytes or e.g. 512MiB, 4GiB "
+                 "(default: 2GiB, or less when max-num-seqs x max-model-len needs less)."),
+        opt("--max-num-seqs", default=256, type=click.IntRange(1),
+            help="Most sequences the KV cache keeps (least recently used are evicted)."),
+        opt("--enforce-eager", is_flag=True, default=False,
+            help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
     ]):
         fn = o(fn)
     return fn
+
+
+def _size(ctx, param, value) -> int | None:
+    try:
+        return None if value is None else parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def telemetry_options(fn):
@@ -128,13 +143,13 @@ DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequen
 @model_options
 @server_options(50052)
 @telemetry_options
-def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, trace_console,
-                   log_format, **server) -> None:
+def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cache_memory,
+                   max_num_seqs, enforce_eager, trace_console, log_format, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
-    _run_server("proposer", lambda: run(_server(**server),
-                                        ModelOptions(model, device, dtype, max_model_len),
-                                        draft_vocab_size),
+    options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
+                           enforce_eager)
+    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size),
                 trace_console, log_format)
 
 
@@ -147,13 +162,14 @@ def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, trace_
 @model_options
 @server_options(50053)
 @telemetry_options
-def serve_scorer(model, scoring, device, dtype, max_model_len, trace_console, log_format,
-                 **server) -> None:
+def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
+                 enforce_eager, trace_console, log_format, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
-    _run_server("scorer", lambda: run(_server(**server),
-                                      ModelOptions(model, device, dtype, max_model_len), scoring),
-                trace_console, log_format)
+    options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
+                           enforce_eager)
+    _run_server("scorer", lambda: run(_server(**server), options, scoring), trace_console,
+                log_format)
 
 
 @serve.command("orchestrator")

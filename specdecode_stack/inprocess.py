@@ -20,21 +20,23 @@ from specdecode.worker import ModelWorker
 def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: int = 4,
                            device: torch.device = torch.device("cpu"),
                            ngram_min: int = 2, adaptive: bool = False,
-                           draft_vocab_size: int = 0, draft_dir=None) -> SpecDecodeEngine:
+                           draft_vocab_size: int = 0, draft_dir=None,
+                           enforce_eager: bool = False) -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
     LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
     this modifies `draft` in place)."""
-    max_len = target.config.max_position_embeddings
-    target_runner = ModelRunner(target, device)
+    target_runner = ModelRunner(target, device, enforce_eager=enforce_eager)
+    max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
     draft_costs = None
     if draft == "ngram":
         proposer = NgramProposer(max_len, n_min=ngram_min)
     else:
         prune_lm_head(draft, draft_dir, draft_vocab_size)
-        draft_runner = ModelRunner(draft, device)
+        draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager)
+        max_len = min(max_len, draft_runner.max_model_len)
         draft_costs = calibrate(draft_runner) if adaptive else None
         proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"))
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)

@@ -328,6 +328,8 @@ def test_service_metrics_match_the_run(run):
         assert m[f"specdecode_kv_cache_hits_total{label}"] > 0  # steps after the first reuse KV
         assert m[f"specdecode_kv_cache_misses_total{label}"] >= 1  # the prompt
         assert m[f"specdecode_kv_cache_sequences{label}"] == 0  # released when it finished
+        assert m[f"specdecode_kv_cache_occupancy{label}"] == 0
+        assert 0 < m[f"specdecode_kv_cache_memory_bytes{label}"] <= 2**31  # the default budget
         assert m[f"specdecode_model_tokens_computed_total{label}"] == \
             m[f"specdecode_model_forward_tokens_sum{label}"]
         assert not any(k.startswith("specdecode_steps") for k in m)  # orchestrator's only
