@@ -147,8 +147,7 @@ class FlashAttnBackend(AttentionBackend):
             cu_k=torch.tensor([0] + batch.kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             .to(device),
             max_q=max(n), max_k=max(batch.kv_lens),
-            block_table=(first[:, None] + torch.arange(width)[None]).clamp_max(
-                torch.iinfo(torch.int32).max).to(torch.int32).to(device))
+            block_table=(first[:, None] + torch.arange(width)[None]).to(torch.int32).to(device))
 
     def write(self, kv_layer, k, v, batch):
         if batch.write_tokens is not None:
@@ -190,9 +189,11 @@ class NpuBackend(SdpaBackend):
         return out.view(N, H * D)
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend installed for `device` (SDPA when nothing better is present)."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The fastest backend installed for `device` (SDPA when nothing better is present;
+    flash-attn computes in float16/bfloat16 only)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
+            importlib.util.find_spec("flash_attn") is not None:
         return FlashAttnBackend()
     if device.type == "npu":
         return NpuBackend()

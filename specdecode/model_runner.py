@@ -118,13 +118,13 @@ class ModelRunner:
         self.vocab_size: int = model.config.vocab_size
         why_not = fast_path_unsupported(model) if fast_path else "disabled"
         self.fast = LlamaLikeForward(model) if why_not is None else None
+        dtype = next(model.parameters()).dtype
         # The generic path builds DynamicCaches from the pool's [layers, 2, heads, tokens, dim].
-        self.backend = (backend or select_backend(device)) if self.fast else SdpaBackend()
+        self.backend = (backend or select_backend(device, dtype)) if self.fast else SdpaBackend()
         if self.fast:
             layers, heads, dim = len(self.fast.layers), self.fast.num_kv_heads, self.fast.head_dim
         else:
             layers, heads, dim = kv_geometry(model)
-        dtype = next(model.parameters()).dtype
         bytes_per_token = layers * 2 * heads * dim * dtype.itemsize
         max_len = min(max_model_len or 1 << 62, model.config.max_position_embeddings)
         budget = kv_cache_memory or min(DEFAULT_KV_CACHE_MEMORY,

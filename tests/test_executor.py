@@ -127,3 +127,12 @@ def test_a_small_budget_evicts_splits_batches_and_still_answers(target_model):
     assert runner.pool.stats.evictions > 0 and runner.pool.nbytes <= 100 * 1024
     with pytest.raises(ValueError, match="token_ids: 97 tokens exceed max_model_len 96"):
         runner.forward([RunnerRow(0, [1] * 97, 1)])
+
+
+def test_kv_cache_memory_sizes_parse_and_bad_ones_name_the_problem():
+    from specdecode.model_loading import parse_size
+    assert parse_size("4GiB") == 4 << 30 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1e9") == 10**9 and parse_size("2GB") == 2 * 10**9
+    for bad in ("lots", "4XB", "0"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_size(bad)
