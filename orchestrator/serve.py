@@ -23,7 +23,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                              connect_timeout_s: float = 60.0,
                              default_max_tokens: int = 256, trace_every: int = 1,
                              resilience: ResilienceOptions = ResilienceOptions(),
-                             speculation: str = "adaptive") -> None:
+                             speculation: str = "adaptive", http_port: int = 0) -> None:
     """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
     trace_every: keep every Nth step span (1 = all, 0 = request spans only).
@@ -32,17 +32,22 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
 
     Health follows the scorer: NOT_SERVING while no scorer replica is up. On SIGTERM,
     requests still running shortly before the grace ends finish as "cancelled" and their
-    sequences are released on the services."""
+    sequences are released on the services.
+
+    http_port: the OpenAI-compatible HTTP API's port on the same host (0 = off); it answers
+    503 until the services are checked, and drains with the gRPC server."""
     from orchestrator.engine import SpecDecodeEngine
     from orchestrator.engine_loop import EngineLoop
     from orchestrator.fanout import connect_services
     from orchestrator.metrics import StepMetrics
+    from orchestrator.generation import ServedModel
     from orchestrator.servicer import SpecDecodeServicer
     from orchestrator.speculation_policy import SpeculationPolicy
     from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
     parts: dict = {}
+    servicer = SpecDecodeServicer(default_max_tokens)
 
     def load():
         proposer, scorer, p_info, s_info = connect_services(
@@ -70,7 +75,13 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         parts["loop"].start()
         log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
                  p_info.model_name, s_info.model_name)
-        return {"loop": parts["loop"], "tokenizer": tok}
+        info = ServedModel(
+            model_name=s_info.model_name, draft_model_name=p_info.model_name,
+            vocab_size=s_info.vocab_size, max_model_len=engine.max_model_len,
+            num_speculative_tokens=num_speculative_tokens,
+            max_speculative_tokens=servicer.frontend.max_speculative_tokens,
+            scoring_method=s_info.scoring_method, has_tokenizer=tok is not None)
+        return {"loop": parts["loop"], "tokenizer": tok, "info": info}
 
     def follow_scorer(server) -> None:
         loop = asyncio.get_running_loop()
@@ -86,11 +97,17 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         log.warning("grace period ending: cancelling the requests still running")
         parts["loop"].cancel_all()
 
+    companions = []
+    if http_port:
+        from orchestrator.http_server import HttpServer
+        from orchestrator.openai_api import create_app
+        app = create_app(servicer.frontend, lambda: servicer.info if servicer.loaded else None)
+        companions.append(HttpServer(app, options.host, http_port, options.grace_seconds))
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
-                             SpecDecodeServicer(default_max_tokens), load, start_traces=True,
-                             after_serving=follow_scorer, on_drain=cancel_before_grace_ends)
+                             servicer, load, start_traces=True, after_serving=follow_scorer,
+                             on_drain=cancel_before_grace_ends, companions=companions)
     finally:
         if "loop" in parts:
             parts["loop"].stop()

@@ -9,8 +9,9 @@ import functools
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import prometheus_client
@@ -287,22 +288,33 @@ class GrpcServer:
             await self._set_status(health_pb2.HealthCheckResponse.SERVING if serving
                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def wait_for_termination(self, on_drain=None) -> None:
+    async def wait_for_termination(self, on_drain=None,
+                                   companions: Sequence[Companion] = ()) -> None:
         """Block until SIGTERM/SIGINT, then drain: refuse new calls (UNAVAILABLE), let
         in-flight calls finish within the grace period, and return. `on_drain(grace)`, a
-        coroutine function, runs while draining (it may end calls before the grace does)."""
+        coroutine function, runs while draining (it may end calls before the grace does).
+        Companion servers (the orchestrator's HTTP API) drain at the same time."""
         await self._stopping.wait()
         log.info("draining for up to %.1fs", self.options.grace_seconds)
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         drain = None if on_drain is None else asyncio.ensure_future(
             on_drain(self.options.grace_seconds))
-        await self.server.stop(self.options.grace_seconds)
+        await asyncio.gather(self.server.stop(self.options.grace_seconds),
+                             *(c.stop() for c in companions))
         if drain is not None:
             drain.cancel()
         log.info("stopped")
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+
+class Companion(Protocol):
+    """Another server in the same process and event loop (the orchestrator's HTTP API)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def _service_name(module) -> str:
@@ -313,21 +325,26 @@ def _service_name(module) -> str:
 async def serve_deferred(options: ServerOptions, service_module, add, servicer: Deferred,
                          load: Callable[[], dict], start_traces: bool = False,
                          after_serving: Callable[[GrpcServer], None] | None = None,
-                         on_drain=None) -> None:
+                         on_drain=None, companions: Sequence[Companion] = ()) -> None:
     """Serve `servicer` (added to the server by `add`, the generated add_*_to_server) with
     health NOT_SERVING while `load` runs (in a thread); attach what it returns, report
     SERVING, and drain on SIGTERM. Only the public API starts traces; the proposer and
     scorer continue their caller's. after_serving(server) runs once SERVING; on_drain(grace)
-    runs while draining (GrpcServer.wait_for_termination)."""
+    runs while draining (GrpcServer.wait_for_termination). Companion servers start with
+    the gRPC server (before the load: they answer "loading" until then) and drain with it."""
     server = GrpcServer(options, [_service_name(service_module)], start_traces=start_traces)
     add(servicer, server.server)
     await server.start()
+    started: list[Companion] = []
     try:
+        for companion in companions:
+            await companion.start()
+            started.append(companion)
         servicer.attach(**await asyncio.to_thread(load))
     except BaseException:
-        await server.server.stop(None)
+        await asyncio.gather(server.server.stop(None), *(c.stop() for c in started))
         raise
     await server.set_serving()
     if after_serving is not None:
         after_serving(server)
-    await server.wait_for_termination(on_drain)
+    await server.wait_for_termination(on_drain, started)

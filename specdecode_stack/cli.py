@@ -29,7 +29,7 @@ from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
-                  FileNotFoundError, ValueError)
+                  OSError, ValueError)  # OSError: a file or port
 SCORING = ("auto", "batch-expansion", "multi-query")
 SPECULATION = ("adaptive", "fixed")
 
@@ -207,14 +207,18 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
           "that failed rejoins after one).")
 @opt("--resolve-interval", default=10.0, type=click.FloatRange(0.1),
      help="Seconds between DNS look-ups of --proposer and --scorer (replicas come and go).")
+@opt("--http-port", default=8000, type=click.IntRange(0, 65535),
+     help="Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+          "/v1/models, /health) on --host; 0 = off.")
 @server_options(50051)
 @telemetry_options
 def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, speculation,
                        connect_timeout,
                        default_max_tokens, trace_steps, proposer_timeout, scorer_timeout,
-                       scorer_retry_timeout, health_interval, resolve_interval, trace_console,
-                       log_format, **server) -> None:
-    """The orchestrator: the public SpecDecodeService API."""
+                       scorer_retry_timeout, health_interval, resolve_interval, http_port,
+                       trace_console, log_format, **server) -> None:
+    """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
+    HTTP API."""
     from orchestrator.deadlines import ResilienceOptions
     from orchestrator.serve import serve_orchestrator as run
     resilience = ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
@@ -222,7 +226,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
     _run_server("orchestrator", lambda: run(_server(**server), proposer, scorer, tokenizer,
                                             num_speculative_tokens, connect_timeout,
                                             default_max_tokens, trace_steps, resilience,
-                                            speculation),
+                                            speculation, http_port),
                 trace_console, log_format)
 
 
@@ -270,11 +274,15 @@ def _start(stack: LocalStack) -> None:
 
 @main.command()
 @stack_options
-def up(**kw) -> None:
+@opt("--http-port", default=8000, type=click.IntRange(0, 65535),
+     help="Port of the orchestrator's OpenAI-compatible HTTP API; 0 = off.")
+def up(http_port, **kw) -> None:
     """Start proposer, scorer and orchestrator on 127.0.0.1; Ctrl-C stops all three."""
     stack = _stack(**kw)
+    stack.config.http_port = http_port
     _start(stack)
-    click.echo(f"specdecode is serving on {stack.address} (Ctrl-C to stop)")
+    http = f", OpenAI API on http://127.0.0.1:{http_port}/v1" if http_port else ""
+    click.echo(f"specdecode is serving on {stack.address}{http} (Ctrl-C to stop)")
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
@@ -302,10 +310,10 @@ def _print_stream(address: str, prompt: str, as_json: bool, **params) -> Generat
         click.echo(json.dumps(result.as_json()))
     else:
         u = result.usage
-        rate = u["acceptance_rate"]
-        console.print(f"\n[bold]{u['completion_tokens']} tokens in {seconds:.2f}s "
-                      f"({u['completion_tokens'] / seconds:.1f} tokens/s), acceptance rate "
-                      f"{'n/a' if rate != rate else f'{rate:.0%}'}, {u['steps']} steps, "
+        rate = u.acceptance_rate
+        console.print(f"\n[bold]{u.completion_tokens} tokens in {seconds:.2f}s "
+                      f"({u.completion_tokens / seconds:.1f} tokens/s), acceptance rate "
+                      f"{'n/a' if rate != rate else f'{rate:.0%}'}, {u.steps} steps, "
                       f"finish: {result.finish_reason}[/bold]")
     return result
 

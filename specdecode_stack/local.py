@@ -45,6 +45,7 @@ class StackConfig:
     speculation: str = "adaptive"  # or "fixed"
     draft_vocab_size: int = 0  # 0 = the draft scores the whole vocabulary
     port: int = 50051  # the orchestrator's; 0 = any free port
+    http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     log_file: str | None = None  # the servers' logs go here (appended) instead of stderr
@@ -97,7 +98,8 @@ class LocalStack:
                                "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
                                                               else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
-                               "--speculation", c.speculation)
+                               "--speculation", c.speculation,
+                               "--http-port", str(c.http_port))
             wait_process_serving(self.address, timeout_s, orch)
         except BaseException:
             self.stop()

@@ -182,7 +182,7 @@ def run(model_dirs) -> Run:
 def test_stack_exits_cleanly_and_flushes(run):
     assert run.exit_codes == {"orchestrator": 0, "proposer": 0, "scorer": 0}
     assert run.result.finish_reason == "length" and len(run.result.token_ids) == MAX_TOKENS
-    assert run.result.usage["accepted_tokens"] > 0  # a run that exercises acceptance
+    assert run.result.usage.accepted_tokens > 0  # a run that exercises acceptance
 
 
 def test_one_generate_is_one_trace(run):
@@ -204,7 +204,7 @@ def test_client_spans_parent_the_services_server_spans(run, service, method, rol
     clients = [s for s in run.named(name, "specdecode-orchestrator") if s.kind == CLIENT]
     servers = [s for s in run.named(name, f"specdecode-{role}") if s.kind == SERVER]
     steps = run.named("spec_decode.step")
-    assert len(steps) == run.result.usage["steps"]
+    assert len(steps) == run.result.usage.steps
     # The prompt step has nothing to propose (k = 0), so it makes no proposer call.
     calls = len(steps) - 1 if role == "proposer" else len(steps)
     assert len(clients) == len(servers) == calls
@@ -236,7 +236,7 @@ def test_span_tree(run):
                                                      "specdecode-proposer")}
     drafts = run.named("draft_model.forward")
     assert drafts and {s.parent for s in drafts} <= proposer_servers
-    assert len(drafts) == run.result.usage["draft_tokens"] // K * K  # k passes per spec step
+    assert len(drafts) == run.result.usage.draft_tokens // K * K  # k passes per spec step
     scorer_servers = {s.span_id for s in run.named("specdecode.v1.ScorerService/ScoreProposals",
                                                    "specdecode-scorer")}
     for name in ("batch_expansion.expand", "target_model.forward", "batch_expansion.contract"):
@@ -252,13 +252,13 @@ def test_step_attributes_add_up_to_the_usage(run):
     usage = run.result.usage
     steps = run.named("spec_decode.step")
     total = lambda key: sum(s.attributes[f"specdecode.{key}"] for s in steps)  # noqa: E731
-    assert len(steps) == usage["steps"]
+    assert len(steps) == usage.steps
     # Steps count vLLM 0.4.2's accepted tokens (passed the test, even after a rejection);
     # the usage counts the accepted prefixes the request received: never more.
-    assert total("accepted_tokens") >= usage["accepted_tokens"]
-    assert total("draft_tokens") == usage["draft_tokens"]
-    assert total("emitted_tokens") == usage["emitted_tokens"]
-    assert total("new_tokens") == usage["completion_tokens"] == MAX_TOKENS
+    assert total("accepted_tokens") >= usage.accepted_tokens
+    assert total("draft_tokens") == usage.draft_tokens
+    assert total("emitted_tokens") == usage.emitted_tokens
+    assert total("new_tokens") == usage.completion_tokens == MAX_TOKENS
     assert sorted(s.attributes["specdecode.step.index"] for s in steps) == list(range(len(steps)))
     for s in steps:
         k = 0 if s.attributes["specdecode.step.index"] == 0 else K  # the prompt step: none
@@ -275,13 +275,13 @@ def test_request_span_attributes(run):
     (request,) = run.named("spec_decode.request")
     usage, a = run.result.usage, request.attributes
     assert a["specdecode.request_id"] == "obs-1"
-    assert a["specdecode.prompt_tokens"] == usage["prompt_tokens"] == len(PROMPT)
-    assert a["specdecode.completion_tokens"] == usage["completion_tokens"]
-    assert a["specdecode.accepted_tokens"] == usage["accepted_tokens"]
-    assert a["specdecode.draft_tokens"] == usage["draft_tokens"]
-    assert a["specdecode.acceptance_rate"] == pytest.approx(usage["acceptance_rate"])
+    assert a["specdecode.prompt_tokens"] == usage.prompt_tokens == len(PROMPT)
+    assert a["specdecode.completion_tokens"] == usage.completion_tokens
+    assert a["specdecode.accepted_tokens"] == usage.accepted_tokens
+    assert a["specdecode.draft_tokens"] == usage.draft_tokens
+    assert a["specdecode.acceptance_rate"] == pytest.approx(usage.acceptance_rate)
     assert a["specdecode.finish_reason"] == "length"
-    assert a["specdecode.steps"] == usage["steps"]
+    assert a["specdecode.steps"] == usage.steps
     assert all(s.status != trace_pb2.Status.STATUS_CODE_ERROR for s in run.spans)
 
 
@@ -289,27 +289,27 @@ def test_request_span_attributes(run):
 
 def test_orchestrator_metrics_match_the_run(run):
     m, usage = run.metrics["orchestrator"], run.result.usage
-    assert m["specdecode_draft_tokens_total"] == usage["draft_tokens"]
+    assert m["specdecode_draft_tokens_total"] == usage.draft_tokens
     accepted = m["specdecode_accepted_tokens_total"]  # vLLM 0.4.2's meaning
-    assert usage["accepted_tokens"] <= accepted <= usage["draft_tokens"]
-    assert m["specdecode_emitted_tokens_total"] == usage["emitted_tokens"]
-    assert m["specdecode_steps_total"] == usage["steps"]
-    assert m["specdecode_generation_tokens_total"] == usage["completion_tokens"]
-    assert m["specdecode_prompt_tokens_total"] == usage["prompt_tokens"]
+    assert usage.accepted_tokens <= accepted <= usage.draft_tokens
+    assert m["specdecode_emitted_tokens_total"] == usage.emitted_tokens
+    assert m["specdecode_steps_total"] == usage.steps
+    assert m["specdecode_generation_tokens_total"] == usage.completion_tokens
+    assert m["specdecode_prompt_tokens_total"] == usage.prompt_tokens
     assert m['specdecode_requests_total{outcome="length"}'] == 1
     assert m["specdecode_draft_acceptance_rate"] == pytest.approx(
-        accepted / usage["draft_tokens"])
+        accepted / usage.draft_tokens)
     # vLLM 0.4.2: emitted / (draft_tokens / k speculated sequences x (k + 1)).
     assert m["specdecode_system_efficiency"] == pytest.approx(
-        usage["emitted_tokens"] / (usage["draft_tokens"] // K * (K + 1)))
+        usage.emitted_tokens / (usage.draft_tokens // K * (K + 1)))
     assert 0 < m["specdecode_draft_acceptance_rate"] < 1
     assert m["specdecode_num_spec_tokens"] == K
     by_position = sum(v for k, v in m.items()
                       if k.startswith("specdecode_accepted_tokens_by_position_total"))
-    assert by_position == usage["accepted_tokens"]  # emitted accepted tokens only
-    assert m["specdecode_step_duration_seconds_count"] == usage["steps"]
+    assert by_position == usage.accepted_tokens  # emitted accepted tokens only
+    assert m["specdecode_step_duration_seconds_count"] == usage.steps
     for phase in ("propose", "score", "verify", "overhead"):
-        assert m[f'specdecode_step_phase_seconds_count{{phase="{phase}"}}'] == usage["steps"]
+        assert m[f'specdecode_step_phase_seconds_count{{phase="{phase}"}}'] == usage.steps
     assert m["specdecode_time_to_first_token_seconds_count"] == 1
     assert m["specdecode_e2e_request_latency_seconds_count"] == 1
     assert m["specdecode_running_sequences"] == 0
@@ -334,11 +334,11 @@ def test_service_metrics_match_the_run(run):
             m[f"specdecode_model_forward_tokens_sum{label}"]
         assert not any(k.startswith("specdecode_steps") for k in m)  # orchestrator's only
     # batch expansion: one row per continuation, n+1 per speculating sequence
-    spec_steps = usage["draft_tokens"] // K
+    spec_steps = usage.draft_tokens // K
     rows = run.metrics["scorer"]['specdecode_model_forward_batch_size_sum{role="scorer"}']
-    assert rows == spec_steps * (K + 1) + (usage["steps"] - spec_steps)
+    assert rows == spec_steps * (K + 1) + (usage.steps - spec_steps)
     assert run.metrics["proposer"]['specdecode_rpc_server_duration_seconds_count{code="OK",'
-                                   'method="ProposerService/GetProposals"}'] == usage["steps"] - 1
+                                   'method="ProposerService/GetProposals"}'] == usage.steps - 1
 
 
 def test_metrics_also_go_over_otlp(run):
@@ -355,7 +355,7 @@ def test_metrics_also_go_over_otlp(run):
     usage = run.result.usage
     assert last["specdecode-orchestrator", "specdecode_accepted_tokens"] == \
         run.metrics["orchestrator"]["specdecode_accepted_tokens_total"]
-    assert last["specdecode-orchestrator", "specdecode_steps"] == usage["steps"]
+    assert last["specdecode-orchestrator", "specdecode_steps"] == usage.steps
     assert last["specdecode-scorer", "specdecode_kv_cache_hits"] > 0
 
 
@@ -374,7 +374,7 @@ def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_di
     assert generate_span.parent == TRACEPARENT.split("-")[2]
     assert [s.attributes["specdecode.request_id"] for s in sampled.named("spec_decode.request")] \
         == ["obs-1"]
-    steps = sampled.result.usage["steps"]
+    steps = sampled.result.usage.steps
     kept = math.ceil(steps / 3)
     assert len(sampled.named("spec_decode.step")) == kept
     assert sorted(s.attributes["specdecode.step.index"] for s in

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -76,7 +77,7 @@ def test_concurrent_streams_are_batched_and_exact(stack, expected):
     # Every stream's usage counts the steps it took part in; shared steps make the
     # orchestrator's own step count smaller than their sum.
     with SpecDecodeClient(stack.address) as client:
-        usage_steps = sum(client.generate(p, max_tokens=MAX_TOKENS).usage["steps"] for p in PROMPTS)
+        usage_steps = sum(client.generate(p, max_tokens=MAX_TOKENS).usage.steps for p in PROMPTS)
     per_request_steps += usage_steps
     assert total_steps < per_request_steps
 
@@ -172,7 +173,8 @@ def test_sigterm_drains_in_flight_and_refuses_new(tiny_model_dirs, target_model)
 
 def serve_orchestrator(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specdecode_stack.cli", "serve", "orchestrator",
-                           "--port", str(free_port()), "--tokenizer", "none", *args],
+                           "--port", str(free_port()), "--http-port", "0", "--tokenizer", "none",
+                           *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -240,17 +242,20 @@ def test_cancelled_stream_frees_its_sequence_at_once(stack):
 
 def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
     """`specdecode up` prints the address, serves, and stops all three on Ctrl-C (SIGINT)."""
-    port = free_port()
+    port, http_port = free_port(), free_port()
     up = subprocess.Popen([sys.executable, "-m", "specdecode_stack.cli", "up", "--target-model",
-                           tiny_model_dirs["target"], "--device", "cpu", "--port", str(port)],
+                           tiny_model_dirs["target"], "--device", "cpu", "--port", str(port),
+                           "--http-port", str(http_port)],
                           stdout=subprocess.PIPE, text=True)
     try:
         line = up.stdout.readline()
         while line and "serving on" not in line:
             line = up.stdout.readline()
-        assert f"127.0.0.1:{port}" in line
+        assert f"127.0.0.1:{port}" in line and f"http://127.0.0.1:{http_port}/v1" in line
         with SpecDecodeClient(f"127.0.0.1:{port}") as client:
             assert client.generate(PROMPTS[0], max_tokens=5).token_ids == expected[0][:5]
+        health = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)
+        assert health.status == 200
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         assert "'orchestrator': 0, 'proposer': 0, 'scorer': 0" in up.stdout.read()

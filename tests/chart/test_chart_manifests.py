@@ -34,7 +34,8 @@ CLI_FLAGS = {
                "--grace-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
-                     "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval"},
+                     "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
+                     "--http-port"},
 }
 
 

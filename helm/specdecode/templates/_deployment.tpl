@@ -132,6 +132,11 @@ spec:
             - name: metrics
               containerPort: {{ $v.metricsPort }}
               protocol: TCP
+            {{- if $v.httpPort }}
+            - name: http
+              containerPort: {{ $v.httpPort }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "specdecode.serverEnv" (dict "root" $root "component" $c "device" .device) | trim | nindent 12 }}
             {{- if eq $accType "npu" }}

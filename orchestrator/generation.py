@@ -1,0 +1,253 @@
+"""One public generation request, whatever API it came through (gRPC or OpenAI HTTP): its
+n samples submitted to the engine loop, their outputs turned into per-sample deltas of
+text, token ids and logprobs, with the serving metrics and the request's trace span.
+
+The API layers only translate: their request into a `Generation`, each `Delta` into their
+response messages, and the exceptions into their error codes (InvalidRequestError is the
+client's fault and names the field; anything else is the server's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from orchestrator import metrics
+from orchestrator.engine import Request, RequestStats, StepOutput, TokenLogprobs
+from orchestrator.engine_loop import EngineLoop
+from orchestrator.text import TextStream
+from orchestrator.usage import Usage
+from specdecode import tracing
+from specdecode.sequence import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, stats: RequestStats) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, stats.draft_tokens, stats.accepted_tokens,
+                 stats.emitted_tokens, stats.steps)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the public APIs serve (GetModelInfo, GET /v1/models)."""
+
+    model_name: str  # the target model's
+    draft_model_name: str  # or "ngram"
+    vocab_size: int
+    max_model_len: int
+    num_speculative_tokens: int  # k when a request does not set its own
+    max_speculative_tokens: int
+    scoring_method: str  # "batch_expansion" | "multi_query"
+    has_tokenizer: bool
+    max_logprobs: int = MAX_LOGPROBS
+
+
+@dataclass
+class Generation:
+    """A validated public request: n samples of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # seed None, or the seed of sample 0 (sample i gets seed + i)
+    n: int = 1
+    stop: list[str] = field(default_factory=list)  # stop strings
+    num_speculative_tokens: int | None = None
+    deadline: float | None = None  # the client's (time.monotonic()), bounding internal calls
+
+    def requests(self) -> list[Request]:
+        """One engine request per sample (ids `<id>` for n = 1, else `<id>/<i>`)."""
+        out = []
+        for i in range(self.n):
+            params = self.params
+            if params.seed is not None and i:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            rid = self.request_id if self.n == 1 else f"{self.request_id}/{i}"
+            out.append(Request(rid, self.prompt_token_ids, params, self.num_speculative_tokens,
+                               deadline=self.deadline))
+        return out
+
+
+@dataclass
+class Delta:
+    """New output of one sample."""
+
+    index: int  # which sample, in [0, n)
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None  # one per token id when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" on its last delta
+    usage: Usage | None = None  # on its last delta
+
+
+class Frontend:
+    """Builds Generations (tokenizing, defaults, validation) and runs them on the engine loop.
+    Serves after `attach`; `loaded` says whether it has been."""
+
+    loop: EngineLoop
+    tokenizer = None
+    loaded = False
+
+    def __init__(self, default_max_tokens: int = 256, max_speculative_tokens: int = 16,
+                 max_n: int = 16):
+        self.default_max_tokens = default_max_tokens
+        self.max_speculative_tokens = max_speculative_tokens
+        self.max_n = max_n
+
+    def attach(self, loop: EngineLoop, tokenizer) -> None:
+        self.loop, self.tokenizer, self.loaded = loop, tokenizer, True
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+    def tokenize(self, text: str, field_name: str = "prompt.text") -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(field_name, "this server has no tokenizer; send token ids")
+        return self.tokenizer(text).input_ids if text else []
+
+    def build(self, prompt: list[int], *, max_tokens: int = 0, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+              repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+              frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+              seed: int | None = None, stop: list[str] = (),
+              stop_token_ids: list[int] = (), ignore_eos: bool = False,
+              logprobs: int | None = None, n: int = 1,
+              num_speculative_tokens: int | None = None, request_id: str = "") -> Generation:
+        """A Generation, or InvalidRequestError naming the first bad field. max_tokens 0 =
+        the server default; the model's end-of-sequence token stops unless ignore_eos."""
+        if max_tokens < 0:
+            raise InvalidRequestError("max_tokens", f"must be >= 0, got {max_tokens}")
+        if not 1 <= n <= self.max_n:
+            raise InvalidRequestError("n", f"must be in [1, {self.max_n}], got {n}")
+        k = num_speculative_tokens
+        if k is not None and not 0 <= k <= self.max_speculative_tokens:
+            raise InvalidRequestError("num_speculative_tokens",
+                                      f"must be in [0, {self.max_speculative_tokens}], got {k}")
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                            ("repetition_penalty", repetition_penalty),
+                            ("presence_penalty", presence_penalty),
+                            ("frequency_penalty", frequency_penalty)):
+            if math.isnan(value):
+                raise InvalidRequestError(name, "must be a number")
+        stop = list(stop)
+        if stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "this server has no tokenizer to match stop "
+                                      "strings; use stop_token_ids")
+        stop_ids = tuple(stop_token_ids)
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        if eos is not None and not ignore_eos:
+            stop_ids += (eos,)
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            max_tokens=max_tokens or self.default_max_tokens, stop_token_ids=stop_ids,
+            min_p=min_p, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            logit_bias=dict(logit_bias or {}), logprobs=logprobs)
+        gen = Generation(request_id or uuid.uuid4().hex, list(prompt), params, n, stop, k)
+        for request in gen.requests():
+            self.engine.validate(request)
+        return gen
+
+    async def run(self, gen: Generation) -> AsyncIterator[Delta]:
+        """The samples' deltas as the engine produces them (interleaved across samples).
+        Raises the exception that ended a request (the others are then aborted); a caller
+        that stops iterating early aborts what is still running."""
+        start, start_ns = time.perf_counter(), time.time_ns()
+        requests = gen.requests()
+        metrics.PROMPT.inc(len(gen.prompt_token_ids) * gen.n)
+        span = tracing.RequestSpan("spec_decode.request", {
+            "specdecode.request_id": gen.request_id,
+            "specdecode.prompt_tokens": len(gen.prompt_token_ids),
+            "specdecode.max_tokens": gen.params.max_tokens,
+            "specdecode.temperature": gen.params.temperature, "specdecode.n": gen.n}, start_ns)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        samples = [_Sample(i, r, TextStream(self.tokenizer, gen.stop) if self.tokenizer else None)
+                   for i, r in enumerate(requests)]
+        for s in samples:
+            s.request.trace_context = span.context
+            self.loop.submit(s.request, lambda item, i=s.index:
+                             loop.call_soon_threadsafe(queue.put_nowait, (i, item)))
+        running = {s.index for s in samples}
+        first, total = True, Usage()  # total: summed over finished samples
+        try:
+            while running:
+                index, item = await queue.get()
+                sample = samples[index]
+                if isinstance(item, BaseException):
+                    metrics.REQUESTS.labels("error").inc()
+                    span.end(_span_attributes(total, "error"), error=item)
+                    raise item
+                delta = sample.delta(item, self.loop)
+                now, n = time.perf_counter(), len(delta.token_ids)
+                if n:
+                    (metrics.TTFT.observe(now - start) if first
+                     else metrics.ITL.observe((now - sample.last) / n))
+                    metrics.GENERATED.inc(n)
+                    first = False
+                sample.last = now
+                if delta.finish_reason:
+                    running.discard(index)
+                    metrics.REQUESTS.labels(delta.finish_reason).inc()
+                    total = add_usage(total, delta.usage)
+                    if not running:
+                        metrics.E2E.observe(now - start)
+                        span.end(_span_attributes(total, delta.finish_reason))
+                yield delta
+        finally:
+            for index in running:  # the caller went away or a sample failed: free the rest
+                metrics.REQUESTS.labels("cancelled").inc()
+                self.loop.abort(samples[index].request.request_id)
+            span.end(_span_attributes(total, "cancelled"))
+
+
+@dataclass
+class _Sample:
+    index: int
+    request: Request
+    text: TextStream | None
+    output: list[int] = field(default_factory=list)
+    last: float = 0.0  # when it last produced tokens
+
+    def delta(self, out: StepOutput, loop: EngineLoop) -> Delta:
+        self.output += out.new_token_ids
+        finish = out.finish_reason
+        text = ""
+        if self.text is not None:
+            stop_ids = self.request.sampling_params.stop_token_ids
+            shown = self.output[:-1] if finish == "stop" and self.output[-1] in stop_ids \
+                else self.output
+            text = self.text.update(shown, final=finish is not None)
+            if self.text.stopped and finish is None:  # a stop string: end it here
+                finish = "stop"
+                loop.abort(self.request.request_id)
+        usage = None
+        if finish:
+            usage = usage_of(len(self.request.prompt_token_ids), len(self.output), out.stats)
+        return Delta(self.index, text, list(out.new_token_ids), out.logprobs, finish, usage)
+
+
+def add_usage(total: Usage, sample: Usage) -> Usage:
+    """Sum samples' usage, counting their shared prompt once."""
+    return Usage(max(total.prompt_tokens, sample.prompt_tokens),
+                 total.completion_tokens + sample.completion_tokens,
+                 total.draft_tokens + sample.draft_tokens,
+                 total.accepted_tokens + sample.accepted_tokens,
+                 total.emitted_tokens + sample.emitted_tokens, total.steps + sample.steps)
+
+
+def _span_attributes(usage: Usage, finish_reason: str) -> dict:
+    """The request span's closing attributes (usage summed over the finished samples)."""
+    attrs = {"specdecode.completion_tokens": usage.completion_tokens,
+             "specdecode.finish_reason": finish_reason,
+             "specdecode.draft_tokens": usage.draft_tokens,
+             "specdecode.accepted_tokens": usage.accepted_tokens,
+             "specdecode.emitted_tokens": usage.emitted_tokens,
+             "specdecode.steps": usage.steps}
+    if usage.draft_tokens:
+        attrs["specdecode.acceptance_rate"] = usage.acceptance_rate
+    return attrs

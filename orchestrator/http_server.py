@@ -1,0 +1,46 @@
+"""An ASGI app served by uvicorn inside the orchestrator's asyncio loop, beside the grpc.aio
+server. The gRPC server owns SIGTERM/SIGINT; on shutdown it stops this one, which refuses
+new connections and lets running responses finish within the grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the process's gRPC server handles the signals and calls HttpServer.stop
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int, grace_seconds: float = 20.0):
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
+                                access_log=False, timeout_graceful_shutdown=grace_seconds)
+        self.server = _Server(config)
+        self.address = f"{host}:{port}"
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Listen; OSError naming the address when the port cannot be bound."""
+        self._task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():  # uvicorn exits (SystemExit) when it cannot bind
+                with contextlib.suppress(BaseException):
+                    self._task.result()
+                raise OSError(f"cannot serve HTTP on {self.address} (port in use?)")
+            await asyncio.sleep(0.02)
+        log.info("HTTP (OpenAI API) listening on %s", self.address)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await self._task

@@ -1,0 +1,449 @@
+"""The OpenAI-compatible HTTP API (FastAPI), over the same Frontend as the gRPC API.
+
+    POST /v1/completions        prompt text or token ids
+    POST /v1/chat/completions   messages, through the tokenizer's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 when serving, 503 while loading
+
+Streaming is server-sent events ending with `data: [DONE]`; `stream_options.include_usage`
+adds a last chunk with the usage. Usage carries the speculative counters as the extension
+object `usage.speculative`. Beyond OpenAI's fields, requests may set vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, and `num_speculative_tokens`.
+Log-probabilities are the target model's own (before temperature, penalties, bias and
+truncation), as OpenAI and vLLM report them. Errors come in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, with status 400 for bad input (the message
+starts with the field's name), 404 for an unknown model, 503 while loading or when the
+proposer or scorer cannot be reached, 500 otherwise. Fields this server cannot honour
+(`echo`, `suffix`, `best_of` other than n, tools, non-text response formats) are refused
+with 400, never ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.engine import TokenLogprobs
+from orchestrator.replicas import ServiceUnavailableError
+from orchestrator.generation import Delta, Frontend, Generation, ServedModel, add_usage
+from orchestrator.usage import Usage
+from specdecode.sequence import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.field)
+    if isinstance(exc, (grpc.RpcError, ServiceUnavailableError)):  # a service failed
+        return APIError(503, f"a backend service failed: {exc}", "service_unavailable")
+    return APIError(500, f"{type(exc).__name__}: {exc}", "internal_server_error")
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields completions and chat share: OpenAI's, then vLLM's extensions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None  # None = 1.0, OpenAI's default
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None  # 0 or -1 = off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # ours
+    num_speculative_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+def create_app(frontend: Frontend, served: Callable[[], ServedModel | None]) -> FastAPI:
+    """The HTTP app over `frontend`; `served()` describes the model (None while loading)."""
+    app = FastAPI(title="specdecode OpenAI-compatible API", docs_url=None, redoc_url=None)
+    api = _OpenAIApi(frontend, served)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid_request(request: Request, exc: InvalidRequestError):
+        return JSONResponse(_api_error(exc).body(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if not frontend.loaded:
+            raise APIError(503, "still loading", "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        served = api.served()
+        return {"object": "list", "data": [{
+            "id": served.model_name, "object": "model", "created": api.created,
+            "owned_by": "specdecode", "max_model_len": served.max_model_len,
+            "draft_model": served.draft_model_name,
+            "num_speculative_tokens": served.num_speculative_tokens,
+            "scoring_method": served.scoring_method}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await api.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await api.chat(body)
+
+    return app
+
+
+class _OpenAIApi:
+    def __init__(self, frontend: Frontend, served: Callable[[], ServedModel | None]):
+        self.frontend, self._served = frontend, served
+        self.created = int(time.time())
+
+    def served(self) -> ServedModel:
+        info = self._served()
+        if not self.frontend.loaded or info is None:
+            raise APIError(503, "still loading; retry when /health answers 200",
+                           "service_unavailable")
+        return info
+
+    def _check_model(self, model: str | None) -> ServedModel:
+        served = self.served()
+        if model and model != served.model_name:
+            raise APIError(404, f"model: {model!r} is not served here; this server serves "
+                                f"{served.model_name!r}", param="model", code="model_not_found")
+        return served
+
+    def _build(self, body: _Sampling, prompt: list[int], max_tokens: int | None,
+               logprobs: int | None) -> Generation:
+        bias = {}
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") \
+                    from None
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
+        return self.frontend.build(
+            prompt, max_tokens=max_tokens or 0,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias, seed=body.seed,
+            stop=stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            logprobs=logprobs, n=body.n, num_speculative_tokens=body.num_speculative_tokens)
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest):
+        served = self._check_model(body.model)
+        for name, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
+                          ("best_of", body.best_of not in (None, body.n))):
+            if bad:
+                raise APIError(400, f"{name}: not supported by this server", param=name)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: one prompt per request (batches are not "
+                                    "supported; use n for several samples)", param="prompt")
+            prompt = prompt[0]
+        ids = self.frontend.tokenize(prompt, "prompt") if isinstance(prompt, str) else prompt
+        gen = self._build(body, list(ids), body.max_tokens, body.logprobs)
+        rid, created = f"cmpl-{gen.request_id}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created,
+                "model": served.model_name}
+        logprobs = (_CompletionLogprobs(self.frontend, body.return_tokens_as_token_ids)
+                    if body.logprobs is not None else None)
+
+        def choice(d: Delta) -> dict:
+            return {"index": d.index, "text": d.text,
+                    "logprobs": logprobs.of(d) if logprobs else None,
+                    "finish_reason": _finish(d.finish_reason)}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[dict]:
+                total = Usage(prompt_tokens=len(gen.prompt_token_ids))
+                async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
+                    async for d in deltas:
+                        yield {**base, "choices": [choice(d)], "usage": None}
+                        if d.usage:
+                            total = add_usage(total, d.usage)
+                if include_usage:
+                    yield {**base, "choices": [], "usage": usage_json(total)}
+            return _sse(events())
+
+        choices: dict[int, dict] = {}
+        total = Usage(prompt_tokens=len(gen.prompt_token_ids))
+        try:
+            async for d in self.frontend.run(gen):
+                c = choices.setdefault(d.index, {"index": d.index, "text": "", "logprobs": None,
+                                                 "finish_reason": None})
+                c["text"] += d.text
+                if logprobs:
+                    c["logprobs"] = _merge_completion_logprobs(c["logprobs"], logprobs.of(d))
+                if d.finish_reason:
+                    c["finish_reason"] = _finish(d.finish_reason)
+                    total = add_usage(total, d.usage)
+        except Exception as exc:
+            raise _api_error(exc) from None
+        return {**base, "choices": [choices[i] for i in sorted(choices)],
+                "usage": usage_json(total)}
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.frontend.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, "messages: this server's tokenizer has no chat template; use "
+                                "/v1/completions", param="messages")
+        messages = []
+        for i, m in enumerate(body.messages):
+            content = m.content
+            if isinstance(content, list):  # content parts: text only
+                if any(p.get("type") != "text" for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages[{i}].content")
+                content = "".join(p.get("text", "") for p in content)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template refused the conversation (e.g. roles)
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        return tok(text, add_special_tokens=False).input_ids
+
+    async def chat(self, body: ChatCompletionRequest):
+        served = self._check_model(body.model)
+        if body.tools:
+            raise APIError(400, "tools: not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type") != "text":
+            raise APIError(400, "response_format: only {\"type\": \"text\"} is supported",
+                           param="response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        prompt = self._chat_prompt(body)
+        n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        gen = self._build(body, prompt, body.max_completion_tokens or body.max_tokens,
+                          n_logprobs)
+        base = {"id": f"chatcmpl-{gen.request_id}", "created": int(time.time()),
+                "model": served.model_name}
+        token_text = _TokenText(self.frontend, body.return_tokens_as_token_ids)
+
+        def chat_logprobs(d: Delta) -> dict | None:
+            if d.logprobs is None:
+                return None
+            return {"content": [token_text.chat_entry(e) for e in d.logprobs]}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[dict]:
+                chunk = {**base, "object": "chat.completion.chunk"}
+                for i in range(gen.n):
+                    yield {**chunk, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                       "content": ""},
+                                                 "logprobs": None, "finish_reason": None}],
+                           "usage": None}
+                total = Usage(prompt_tokens=len(gen.prompt_token_ids))
+                async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
+                    async for d in deltas:
+                        delta = {"content": d.text} if d.text or not d.finish_reason else {}
+                        yield {**chunk, "choices": [{"index": d.index, "delta": delta,
+                                                     "logprobs": chat_logprobs(d),
+                                                     "finish_reason": _finish(d.finish_reason)}],
+                               "usage": None}
+                        if d.usage:
+                            total = add_usage(total, d.usage)
+                if include_usage:
+                    yield {**chunk, "choices": [], "usage": usage_json(total)}
+            return _sse(events())
+
+        choices: dict[int, dict] = {}
+        total = Usage(prompt_tokens=len(gen.prompt_token_ids))
+        try:
+            async for d in self.frontend.run(gen):
+                c = choices.setdefault(d.index, {
+                    "index": d.index, "message": {"role": "assistant", "content": ""},
+                    "logprobs": {"content": []} if n_logprobs is not None else None,
+                    "finish_reason": None})
+                c["message"]["content"] += d.text
+                if d.logprobs is not None:
+                    c["logprobs"]["content"] += chat_logprobs(d)["content"]
+                if d.finish_reason:
+                    c["finish_reason"] = _finish(d.finish_reason)
+                    total = add_usage(total, d.usage)
+        except Exception as exc:
+            raise _api_error(exc) from None
+        return {**base, "object": "chat.completion",
+                "choices": [choices[i] for i in sorted(choices)], "usage": usage_json(total)}
+
+
+# -- conversions -------------------------------------------------------------------------------
+
+def _finish(reason: str | None) -> str | None:
+    """Our finish reasons in OpenAI's words (a server-side cancel is vLLM's "abort")."""
+    return {"cancelled": "abort"}.get(reason, reason) if reason else None
+
+
+def usage_json(u: Usage) -> dict:
+    """OpenAI's usage, with our speculative counters as the extension `speculative`."""
+    counts = u.as_json()
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "speculative": {k: counts[k] for k in ("draft_tokens", "accepted_tokens",
+                                                   "emitted_tokens", "acceptance_rate",
+                                                   "steps")}}
+
+
+class _TokenText:
+    """A token's text: its decoded piece, or `token_id:<id>` without a tokenizer or when
+    the request set return_tokens_as_token_ids (vLLM's form)."""
+
+    def __init__(self, frontend: Frontend, as_ids: bool = False):
+        self.tokenizer = None if as_ids else frontend.tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def chat_entry(self, e: TokenLogprobs) -> dict:
+        def one(token_id: int, logprob: float) -> dict:
+            text = self(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+
+
+class _CompletionLogprobs:
+    """The legacy completions logprobs object of one delta; text offsets run on across a
+    sample's deltas."""
+
+    def __init__(self, frontend: Frontend, as_ids: bool):
+        self.text = _TokenText(frontend, as_ids)
+        self.offsets: dict[int, int] = {}
+
+    def of(self, d: Delta) -> dict:
+        entries = d.logprobs or []
+        tokens = [self.text(e.token_id) for e in entries]
+        offsets, at = [], self.offsets.get(d.index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        self.offsets[d.index] = at
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+
+def _merge_completion_logprobs(acc: dict | None, new: dict) -> dict:
+    if acc is None:
+        return new
+    return {key: acc[key] + new[key] for key in acc}
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: each chunk as `data: <json>`, then `data: [DONE]`; an error
+    after the stream began is sent as one `data: {"error": ...}` event."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except Exception as exc:
+            error = _api_error(exc)
+            if error.status >= 500:
+                log.error("stream failed: %s", exc)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:  # also when the client goes away: its samples are aborted at once
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
