@@ -57,7 +57,7 @@ class Cluster:
             name, "orchestrator", "--proposer", self.address("proposer"),
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
             "--num-speculative-tokens", str(self.k), "--health-interval", "0.5",
-            *self.orchestrator_args, *args)
+            "--http-port", "0", *self.orchestrator_args, *args)
         wait_process_serving(self.address(name), 120, process)
 
     def start(self) -> Cluster:
