@@ -25,8 +25,9 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def stack():
+    # Fixed k: with the draft as costly as the target, adaptive speculation would choose none.
     config = StackConfig(device="cpu", scoring="multi-query", draft_model="default", port=0,
-                         http_port=free_port())
+                         speculation="fixed", http_port=free_port())
     with LocalStack(config) as s:
         yield s
 
