@@ -161,8 +161,20 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pai
         rows = []  # (path, class, outcome list, chosen k)
         t_start = time.perf_counter()
 
+        log = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.jsonl")
+        log.parent.mkdir(parents=True, exist_ok=True)
+
         def add(path, outs, chosen=float("nan"), wall=None, streams=1):
-            for (cls, _), o in zip(classes, outs):
+            # Each run is also printed and appended at once: a run cut short keeps its rows.
+            for i, ((cls, _), o) in enumerate(zip(classes, outs)):
+                ref = reference[i].token_ids if reference else o.token_ids
+                line = {"path": path, "streams": streams, "class": cls,
+                        "tokens_per_s": o.tokens / o.seconds, "draft": o.draft,
+                        "accepted": o.accepted, "chosen_k": o.chosen_k if streams == 1 else chosen,
+                        "equal": sum(a == b for a, b in zip(o.token_ids, ref))}
+                console.print(json.dumps(line), highlight=False)
+                with log.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
                 rows.append({"path": path, "class": cls, "streams": streams, "tokens": o.tokens,
                              "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
                              "token_ids": o.token_ids,
