@@ -187,6 +187,26 @@ def test_stalled_proposer_costs_one_step_deadline(pair, reference):
           f"(deadline {PROPOSER_TIMEOUT_S}s), speculation back {resumed:.2f}s after SIGCONT")
 
 
+def test_client_deadline_bounds_the_internal_calls(pair, reference):
+    """A client deadline of 1.5 s while the scorer hangs: the step's scoring call ends with
+    that deadline (not a fixed internal one), the request is gone from the orchestrator at
+    once, and the scorer is not blamed for the client's deadline."""
+    address, label = pair.address("orchestrator"), pair.address("scorer0")
+    failures = pair.metric("orchestrator", "specdecode_replica_failures_total", label)
+    pair.processes["scorer0"].send_signal(signal.SIGSTOP)
+    try:
+        with SpecDecodeClient(address, timeout_s=1.5) as client, \
+                pytest.raises(grpc.RpcError) as err:
+            client.generate(PROMPTS[2], max_tokens=MAX_TOKENS)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_running_sequences") == 0,
+                      1.5, "the orchestrator dropped the request at its deadline")
+    finally:
+        pair.processes["scorer0"].send_signal(signal.SIGCONT)
+    assert pair.metric("orchestrator", "specdecode_replica_failures_total", label) == failures
+    assert stream(address, PROMPTS[2], 16)[0] == reference(2)[:16]
+
+
 def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
     """The only scorer killed: the running stream fails with UNAVAILABLE naming the scorer
     within the retry deadline, the orchestrator reports NOT_SERVING, later requests fail
