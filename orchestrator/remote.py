@@ -50,11 +50,15 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
     "retryPolicy": _RETRY_POLICY}]})
 
 
-def open_channel(address: str, options: list[tuple[str, int]]) -> grpc.Channel:
-    """The one place the orchestrator opens a channel to a proposer or scorer replica."""
+def open_channel(address: str, options: list[tuple[str, int]],
+                 authority: str | None = None) -> grpc.Channel:
+    """The one place the orchestrator opens a channel to a proposer or scorer replica.
+    `address` is the replica's IP:PORT; `authority` the HOST:PORT it was resolved from (sent
+    as :authority, as a channel to that name would; a certificate is verified against it)."""
+    extra = [] if authority in (None, address) else [("grpc.default_authority", authority)]
     return grpc.insecure_channel(address, options=[
         *options, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
-        ("grpc.service_config", SERVICE_CONFIG)])
+        ("grpc.service_config", SERVICE_CONFIG), *extra])
 
 
 class _RequestEncoding:

@@ -109,7 +109,7 @@ class ReplicaSet:
         with self._lock:
             for address, name in addresses:
                 if address not in self._replicas:
-                    channel = open_channel(address, self.channel_options)
+                    channel = open_channel(address, self.channel_options, name)
                     self._replicas[address] = Replica(address, name,
                                                       self.make_client(channel, address))
                     log.info("%s replica %s (%s) added", self.role, address, name)
