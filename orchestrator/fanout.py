@@ -14,6 +14,7 @@ id), the sub-batches sent in parallel, the results put back in batch order.
 
 from __future__ import annotations
 
+import contextvars
 import time
 
 import grpc
@@ -88,8 +89,11 @@ class _Routed:
             timeout = self.timeout.timeout(tokens)  # here: the deadline lives in this thread
             if timeout <= 0:
                 raise DeadlinePassedError("the deadline of every request in the step passed")
+            # In a copy of this thread's context: the call's client span is a child of the
+            # step's span, and the trace context travels to the service.
             futures[address] = (sub_rows, self.replicas.pool.submit(
-                self._timed, call, client, sub, sub_rows, timeout, tokens))
+                contextvars.copy_context().run, self._timed, call, client, sub, sub_rows,
+                timeout, tokens))
         done, failed = {}, {}
         for address, (sub_rows, future) in futures.items():
             try:

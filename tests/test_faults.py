@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import SpecDecodeClient
+from specdecode_stack.local import wait_process_serving
 from tests.cluster import Cluster
 from tests.conftest import reference_greedy
 
@@ -351,17 +352,21 @@ def soak(cluster: Cluster, reference, streams: int, seconds: float, restart_ever
                 failures.append(f"client {c}: prompt {i}, {n} tokens: got {tokens}")
             done[0] += 1
 
-    restarts = 0
+    restarts, start = 0, time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         futures = [pool.submit(client, c) for c in range(streams)]
-        while time.monotonic() + restart_every < end:
-            time.sleep(restart_every)
+        # Every `restart_every` seconds the next replica in turn is stopped and started again
+        # (without waiting for it: it loads while the others serve).
+        while (next_at := start + (restarts + 1) * restart_every) < end:
+            time.sleep(max(0.0, next_at - time.monotonic()))
             victim = cluster.scorers[restarts % len(cluster.scorers)]
             cluster.kill(victim, signal.SIGKILL if restarts % 2 == 0 else signal.SIGTERM)
-            cluster.start_service(victim)
+            cluster.start_service(victim, wait=False)
             restarts += 1
         for f in futures:
             f.result()
+    for name in cluster.scorers:  # all serving again before the next test
+        wait_process_serving(cluster.address(name), 120, cluster.processes[name])
     assert not failures, failures[:5]
     wait_all_released(cluster)
     print(f"\nsoak: {streams} streams, {seconds:.0f}s, {restarts} scorer restarts, "
