@@ -349,8 +349,11 @@ class SpecDecodeEngine:
         sent1, received1 = self._wire_bytes()
         stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
         stats.total_s = time.perf_counter() - start
-        self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
-                                 stats.score_s, stats.total_s)
+        # A step whose proposer failed or timed out (orchestrator.fanout) says nothing of the
+        # proposer's cost: its time is not learned.
+        if not (k and getattr(self.proposer, "last_fallback", 0)):
+            self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
+                                     stats.score_s, stats.total_s)
         self.last_step = stats
         return outputs
 

@@ -190,6 +190,7 @@ class RoutedScorer(_Routed, SpeculativeScorer):
 class RoutedProposer(_Routed, SpeculativeProposer):
     # Any failure of the optional proposer means no proposals from that replica this step.
     replica_failure = staticmethod(lambda exc: True)
+    last_fallback = 0
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         req = execute_model_req
@@ -208,6 +209,7 @@ class RoutedProposer(_Routed, SpeculativeProposer):
                 ids[rows], lens[rows] = proposals.proposal_token_ids, proposals.proposal_lens
                 probs = _put_rows(probs, rows, proposals.proposal_probs, (B, k), 0.0)
             lost = B - sum(len(rows) for rows, _ in done.values())
+        self.last_fallback = lost  # sequences without proposals in this call
         if lost:
             FALLBACK_STEPS.inc()
             FALLBACK_SEQUENCES.inc(lost)

@@ -53,11 +53,13 @@ class Cluster:
             wait_process_serving(self.address(name), 120, process)
 
     def start_orchestrator(self, name: str = "orchestrator", *args: str) -> None:
+        # Fixed k: the random tiny models accept next to nothing, so adaptive k would stop
+        # speculating, and these tests watch speculation go and come back.
         process = self._spawn(
             name, "orchestrator", "--proposer", self.address("proposer"),
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
-            "--num-speculative-tokens", str(self.k), "--health-interval", "0.5",
-            "--http-port", "0", *self.orchestrator_args, *args)
+            "--num-speculative-tokens", str(self.k), "--speculation", "fixed",
+            "--health-interval", "0.5", "--http-port", "0", *self.orchestrator_args, *args)
         wait_process_serving(self.address(name), 120, process)
 
     def start(self) -> Cluster:

@@ -93,7 +93,7 @@ def wait_all_released(cluster: Cluster) -> None:
 def pair(tiny_model_dirs, tmp_path_factory):
     cluster = Cluster(tiny_model_dirs, tmp_path_factory.mktemp("pair"), orchestrator_args=(
         "--proposer-timeout", str(PROPOSER_TIMEOUT_S), "--scorer-retry-timeout", "3",
-        "--grace-seconds", "2"))
+        "--grace-seconds", "0.5"))
     try:
         yield cluster.start()
     finally:
@@ -243,14 +243,15 @@ def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
 
 
 def test_sigterm_cancels_streams_that_outlive_the_grace(pair, reference):
-    """SIGTERM with streams longer than the grace (2 s): they end with
-    FINISH_REASON_CANCELLED (a prefix of the right tokens) and the services free them."""
+    """SIGTERM with streams longer than the grace (0.5 s; 8 x 200 one-token steps take
+    seconds): they end with FINISH_REASON_CANCELLED (a prefix of the right tokens) and the
+    services free them."""
     address = pair.address("orchestrator")
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stream, address, PROMPTS[i], MAX_TOKENS,
-                               num_speculative_tokens=0) for i in range(4)]
-        pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_running_sequences") == 4,
-                      30, "4 streams running")
+                               num_speculative_tokens=0) for i in range(8)]
+        pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_running_sequences") == 8,
+                      30, "8 streams running")
         pair.kill("orchestrator", signal.SIGTERM)
         results = [f.result(timeout=60) for f in futures]
     assert pair.processes["orchestrator"].returncode == 0
