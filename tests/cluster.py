@@ -76,16 +76,19 @@ class Cluster:
         process.wait(60)
 
     def stop(self) -> dict[str, int]:
+        """SIGTERM the orchestrators, then all services at once; exit codes."""
         codes = {}
-        for name in sorted(self.processes, key=lambda n: not n.startswith("orchestrator")):
-            process = self.processes[name]
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                codes[name] = process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                codes[name] = process.wait()
+        orchestrators = [n for n in self.processes if n.startswith("orchestrator")]
+        for group in (orchestrators, [n for n in self.processes if n not in orchestrators]):
+            for name in group:
+                if self.processes[name].poll() is None:
+                    self.processes[name].send_signal(signal.SIGTERM)
+            for name in group:
+                try:
+                    codes[name] = self.processes[name].wait(30)
+                except subprocess.TimeoutExpired:
+                    self.processes[name].kill()
+                    codes[name] = self.processes[name].wait()
         return codes
 
     def metrics(self, name: str) -> str:
