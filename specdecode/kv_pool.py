@@ -147,7 +147,8 @@ class KVPool:
         need = self._blocks(tokens)
         keep = len(entry.token_ids)
         if keep == 0:  # nothing to carry over: free first, so its own blocks can be reused
-            self._give(entry.start // self.block_size, entry.capacity // self.block_size)
+            if entry.capacity:
+                self._give(entry.start // self.block_size, entry.capacity // self.block_size)
             entry.capacity = 0
             start, n = self._allocate(need, need + self._headroom(need), pinned)
         else:
@@ -159,12 +160,17 @@ class KVPool:
 
     def _allocate(self, need: int, want: int, pinned: set[int]) -> tuple[int, int]:
         """(first block, count) of a fresh extent of `want` blocks, or else of `need`."""
-        compacted = False
+        compacted = trimmed = False
         while True:
             for n in (want, need):
                 start = self._take(n)
                 if start is not None:
                     return start, n
+            if not trimmed:  # growth room of sequences outside the batch goes first
+                trimmed = self._trim(pinned)
+                if trimmed:
+                    continue
+                trimmed = True
             if self._evict_one(pinned, strict=False):
                 continue
             if not compacted and sum(n for _, n in self._free) >= need:
@@ -173,6 +179,23 @@ class KVPool:
                 continue
             raise PoolFull(f"{need} blocks do not fit beside the {len(pinned)} sequences "
                            "of this batch")
+
+    def _trim(self, pinned: set[int]) -> bool:
+        """Give back the unused tail blocks of entries outside `pinned`; whether any were."""
+        freed = False
+        for cache_id, entry in self._entries.items():
+            used = self._blocks(len(entry.token_ids)) if entry.token_ids else 0
+            have = entry.capacity // self.block_size
+            if cache_id in pinned or not entry.capacity or used >= have:
+                continue
+            if used == 0:
+                entry.capacity = 0
+                self._give(entry.start // self.block_size, have)
+            else:
+                self._give(entry.start // self.block_size + used, have - used)
+                entry.capacity = used * self.block_size
+            freed = True
+        return freed
 
     def _evict_one(self, pinned: set[int], strict: bool = True) -> bool:
         victim = next((i for i in self._entries if i not in pinned), None)

@@ -89,6 +89,16 @@ def test_pool_compacts_a_fragmented_pool_before_giving_up():
                                               [50, 51, 52, 53]]
 
 
+def test_pool_trims_growth_room_outside_the_batch_before_evicting():
+    p = pool(blocks=8)
+    for i in (1, 2):
+        p.reserve(i, 8, keep=0, pinned={i})  # 2 blocks + 1 of growth room each
+        fill(p, i, [i] * 8)
+    p.reserve(3, 12, keep=0, pinned={3})  # 3 blocks: only 2 are free until 1 and 2 are trimmed
+    assert p.stats.evictions == 0 and held(p, 1) == [1] * 8 and held(p, 2) == [2] * 8
+    assert p.tokens_reserved == 28  # 2 + 2 + 3 blocks; one trimmed block is left over
+
+
 def check_steps(runner, model, seqs, steps=3):
     for step in range(steps):
         rows = [RunnerRow(i, s, min(3, len(s))) for i, s in enumerate(seqs)]
