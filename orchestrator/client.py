@@ -23,6 +23,8 @@ import grpc
 
 from orchestrator.usage import Usage
 from specdecode.v1 import model_info_pb2
+from specdecode.auth import bearer_metadata
+from specdecode.tls import TlsFiles, channel_credentials
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
 
@@ -105,10 +107,20 @@ def _one(results: dict[int, GenerateResult]) -> GenerateResult:
 
 
 class SpecDecodeClient:
-    """Blocking client; raises grpc.RpcError on a non-OK status."""
+    """Blocking client; raises grpc.RpcError on a non-OK status. tls_ca: connect over TLS,
+    trusting this CA's PEM file ("" = the system roots; None = plaintext); tls_cert/tls_key:
+    a client certificate, for a server that asks for one; token: sent as
+    `authorization: Bearer <token>`."""
 
-    def __init__(self, address: str, timeout_s: float | None = None):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, timeout_s: float | None = None, *,
+                 tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, token: str | None = None):
+        if tls_ca is None and tls_cert is None:
+            self.channel = grpc.insecure_channel(address)
+        else:
+            self.channel = grpc.secure_channel(
+                address, channel_credentials(TlsFiles(tls_cert, tls_key, tls_ca or None)))
+        self.metadata = bearer_metadata(token)
         self.stub = spec_decode_service_pb2_grpc.SpecDecodeServiceStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -122,11 +134,13 @@ class SpecDecodeClient:
         self.channel.close()
 
     def model_info(self) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=self.timeout_s)
+        return self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=self.timeout_s,
+                                      metadata=self.metadata)
 
     def stream(self, prompt: str | list[int], **params) -> Iterator[pb.GenerateResponse]:
         """The raw response stream (parameters as `build_request`)."""
-        return self.stub.Generate(build_request(prompt, **params), timeout=self.timeout_s)
+        return self.stub.Generate(build_request(prompt, **params), timeout=self.timeout_s,
+                                  metadata=self.metadata)
 
     def samples(self, prompt: str | list[int], **params) -> list[GenerateResult]:
         """Every sample of the request (n of them), by index."""

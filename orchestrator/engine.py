@@ -16,6 +16,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    # Prompt tokens the services already hold from earlier chunks (chunked prefill).
+    prefilled: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -168,13 +171,53 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
     return emitted, accepted
 
 
+def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
+              budget: int | None) -> list[tuple[Sequence, int | None]]:
+    """Who joins this step, within a budget of tokens to compute (chunked prefill).
+
+    Sequences that are decoding always join (k + 1 tokens each), so a running stream never
+    waits. Prompts share what is left, in arrival order: a prompt that fits joins whole
+    (None); a longer one sends its next chunk, a longer prefix of itself (the prefix
+    length), whose output is discarded; the services keep its KV state, so the next chunk
+    and finally the whole prompt reuse it. The first prompt always gets at least a quarter
+    of the budget, so prompts progress however busy the decoding is."""
+    if budget is None:
+        return [(s, None) for s in seqs]
+    plan: list[tuple[Sequence, int | None]] = []
+    left = budget
+    prompts = []
+    for s in seqs:
+        if s.output_token_ids:
+            plan.append((s, None))
+            left -= k_of(s) + 1
+        else:
+            prompts.append(s)
+    for i, s in enumerate(prompts):
+        todo = len(s.request.prompt_token_ids) - s.prefilled  # tokens not yet computed
+        share = max(left, budget // 4) if i == 0 else left
+        if todo <= share:
+            plan.append((s, None))
+        elif share >= MIN_CHUNK:
+            plan.append((s, s.prefilled + share))
+        else:
+            break  # later prompts wait their turn
+        left -= min(todo, share)
+    return plan
+
+
+MIN_CHUNK = 16  # smallest prefill chunk worth a place in a step
+
+
 class SpecDecodeEngine:
     def __init__(self, proposer: SpeculativeProposer, scorer: SpeculativeScorer, *,
                  vocab_size: int, max_model_len: int, num_speculative_tokens: int,
                  sampler: RejectionSampler | None = None, trace_every: int = 1,
-                 policy: SpeculationPolicy | None = None):
+                 policy: SpeculationPolicy | None = None,
+                 max_num_batched_tokens: int | None = None):
         """policy: picks each sequence's k per step (default: fixed k, every sequence
-        speculating num_speculative_tokens or its request's smaller value)."""
+        speculating num_speculative_tokens or its request's smaller value).
+        max_num_batched_tokens: tokens one step may compute (None = no limit); longer
+        prompts are prefilled in chunks across steps (see plan_step)."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
         if trace_every < 0:
@@ -187,6 +230,7 @@ class SpecDecodeEngine:
         self.running: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.trace_every = trace_every
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.steps = 0  # steps run so far
         # Services key their KV caches by sequence id, and may serve several orchestrators:
         # ids carry a random 38-bit prefix of this engine and a 24-bit counter (below 2**62:
@@ -232,7 +276,16 @@ class SpecDecodeEngine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def _group(self, seq: Sequence, k: int) -> SequenceGroupMetadata:
+    def _group(self, seq: Sequence, k: int, chunk: int | None = None) -> SequenceGroupMetadata:
+        if chunk is not None:
+            # A prompt chunk: the prefix prompt[:chunk], scored with proposal length 0.
+            # It asks the proposer for one draft token (discarded) so that a draft model
+            # computes its KV state for the chunk too (a prompt proposes nothing).
+            return SequenceGroupMetadata(
+                request_id=seq.request.request_id, is_prompt=False,
+                seq_data={seq.seq_id: SequenceData(seq.request.prompt_token_ids[:chunk])},
+                sampling_params=seq.request.sampling_params,
+                num_speculative_tokens=min(1, self.k))
         return SequenceGroupMetadata(
             request_id=seq.request.request_id, is_prompt=not seq.output_token_ids,
             seq_data={seq.seq_id: SequenceData(seq.request.prompt_token_ids,
@@ -256,15 +309,16 @@ class SpecDecodeEngine:
                 sum(getattr(p, "bytes_received", 0) for p in parts))
 
     def step(self) -> list[StepOutput]:
-        seqs = list(self.running.values())
-        if not seqs:
+        plan = plan_step(list(self.running.values()), self._cap, self.max_num_batched_tokens)
+        if not plan:
             return []
+        seqs = [s for s, _ in plan]
         index, self.steps = self.steps, self.steps + 1
         traced = self.trace_every > 0 and index % self.trace_every == 0
         with tracing.step_span("spec_decode.step",
                                  [(s.request.request_id, s.request.trace_context) for s in seqs],
                                  traced, {"specdecode.step.index": index}) as span:
-            outputs = self._step(seqs)
+            outputs = self._step(plan)
             stats = self.last_step
             tracing.set_attributes(span, {
                 "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
@@ -280,12 +334,17 @@ class SpecDecodeEngine:
                 "specdecode.wire.bytes_received": stats.bytes_received})
         return outputs
 
-    def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def _step(self, step_plan: list[tuple[Sequence, int | None]]) -> list[StepOutput]:
         start = time.perf_counter()
         sent0, received0 = self._wire_bytes()
-        plan = self.policy.plan([Candidate(s.seq_id, self._cap(s)) for s in seqs])
+        seqs = [s for s, _ in step_plan]
+        chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
+        plan = self.policy.plan([Candidate(s.seq_id, 0 if c is not None else self._cap(s))
+                                 for s, c in step_plan])
         k = max(plan.ks, default=0)
-        req = ExecuteModelRequest([self._group(s, n) for s, n in zip(seqs, plan.ks)],
+        if chunks and self.k:
+            k = max(k, 1)  # a chunk's one draft token (see _group)
+        req = ExecuteModelRequest([self._group(s, n, c) for (s, c), n in zip(step_plan, plan.ks)],
                                   num_lookahead_slots=k)
         client_deadlines = [s.request.deadline for s in seqs]
         with deadlines.bounded_by(None if None in client_deadlines else max(client_deadlines)):
@@ -297,6 +356,11 @@ class SpecDecodeEngine:
                 with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
                                                       "specdecode.k": k}) as span:
                     proposals = self.proposer.get_proposals(req)
+                    if chunks:  # a chunk's draft token only warmed the draft's KV state
+                        proposals.proposal_lens[chunks] = 0
+                        proposals.proposal_token_ids[chunks] = -1
+                        if proposals.proposal_probs is not None:
+                            proposals.proposal_probs[chunks] = 0
                     if span.is_recording():
                         span.set_attribute("specdecode.draft_tokens",
                                            int(proposals.proposal_lens.sum()))
@@ -315,6 +379,9 @@ class SpecDecodeEngine:
                           verify_s=t_verified - t_scored, accepted_by_position=[0] * k)
         outputs, finished = [], []
         for i, (seq, tokens) in enumerate(zip(seqs, emitted)):
+            if step_plan[i][1] is not None:  # a prompt chunk: its token is discarded
+                seq.prefilled = step_plan[i][1]
+                continue
             n = int(proposals.proposal_lens[i])
             self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
             if n:

@@ -10,6 +10,7 @@ request span's context (`Request.trace_context`), which the engine's step spans 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -25,11 +26,14 @@ Sink = Callable[[StepOutput | BaseException], None]
 
 class EngineLoop:
     def __init__(self, engine: SpecDecodeEngine,
-                 on_step: Callable[[StepStats], None] | None = None):
+                 on_step: Callable[[StepStats], None] | None = None,
+                 max_running: int | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.max_running = max_running  # None = no limit; the rest wait in `_waiting`
         self._cv = threading.Condition()
         self._pending: list[tuple[Request, Sink]] = []
+        self._waiting: collections.deque[tuple[Request, Sink]] = collections.deque()
         self._aborts: list[str] = []
         self._cancel_all = False
         self._sinks: dict[str, Sink] = {}
@@ -80,13 +84,20 @@ class EngineLoop:
     def _run(self) -> None:
         while (commands := self._take_commands()) is not None:
             pending, aborts, cancel_all = commands
+            self._waiting.extend(pending)
             if cancel_all:
-                self._cancel(pending)
-                pending = []
+                self._cancel(list(self._waiting))
+                self._waiting.clear()
             for request_id in aborts:
                 self._sinks.pop(request_id, None)
                 self._guard(self.engine.abort, request_id)
-            for request, sink in pending:
+            if aborts:
+                gone = set(aborts)
+                self._waiting = collections.deque(
+                    (r, s) for r, s in self._waiting if r.request_id not in gone)
+            while self._waiting and (self.max_running is None
+                                     or len(self.engine.running) < self.max_running):
+                request, sink = self._waiting.popleft()
                 try:
                     self.engine.add_request(request)
                     self._sinks[request.request_id] = sink

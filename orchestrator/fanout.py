@@ -25,7 +25,7 @@ from prometheus_client import Counter
 from orchestrator import deadlines
 from orchestrator.deadlines import (CallTimeout, DeadlinePassedError, ResilienceOptions,
                                     step_tokens)
-from orchestrator.remote import RemoteProposer, RemoteScorer
+from orchestrator.remote import RemoteProposer, RemoteScorer, ServiceSecurity
 from orchestrator.replicas import ReplicaSet, ServiceUnavailableError
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
@@ -223,14 +223,16 @@ class RoutedProposer(_Routed, SpeculativeProposer):
 
 def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str, int]],
                      options: ResilienceOptions, connect_timeout_s: float,
+                     security: ServiceSecurity = ServiceSecurity(),
                      ) -> tuple[RoutedProposer, RoutedScorer, ModelInfo, ModelInfo]:
     """Both services' replica sets, started (ServiceUnreachableError if either has no
-    replica SERVING within connect_timeout_s), with their model infos."""
+    replica SERVING within connect_timeout_s), with their model infos; `security`: TLS and
+    token of their channels."""
     def replica_set(role: str, spec: str, client) -> ReplicaSet:
         return ReplicaSet(role, spec, lambda channel, address: client(
             channel, HOUSEKEEPING_TIMEOUT_S, address), channel_options,
             health_interval_s=options.health_interval_s,
-            resolve_interval_s=options.resolve_interval_s)
+            resolve_interval_s=options.resolve_interval_s, security=security)
     proposers = replica_set("proposer", proposer, RemoteProposer)
     scorers = replica_set("scorer", scorer, RemoteScorer)
     try:

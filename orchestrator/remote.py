@@ -10,15 +10,19 @@ no span and send no context."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import tracing, wire
+from orchestrator.routing import split_address
+from specdecode.auth import with_token
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest
+from specdecode.tls import TlsFiles, channel_credentials
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
@@ -50,15 +54,33 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
     "retryPolicy": _RETRY_POLICY}]})
 
 
+@dataclass(frozen=True)
+class ServiceSecurity:
+    """How the orchestrator reaches the services: TLS (trusting tls.ca, presenting
+    tls.cert as its client certificate) and/or a bearer token on every call."""
+
+    tls: TlsFiles | None = None
+    token: str | None = None
+
+
 def open_channel(address: str, options: list[tuple[str, int]],
-                 authority: str | None = None) -> grpc.Channel:
+                 authority: str | None = None,
+                 security: ServiceSecurity = ServiceSecurity()) -> grpc.Channel:
     """The one place the orchestrator opens a channel to a proposer or scorer replica.
     `address` is the replica's IP:PORT; `authority` the HOST:PORT it was resolved from (sent
-    as :authority, as a channel to that name would; a certificate is verified against it)."""
+    as :authority, as a channel to that name would; over TLS the replica's certificate is
+    verified against its host, e.g. a headless Service's name, not the pod IP). `security`:
+    TLS and/or a bearer token."""
     extra = [] if authority in (None, address) else [("grpc.default_authority", authority)]
-    return grpc.insecure_channel(address, options=[
-        *options, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
-        ("grpc.service_config", SERVICE_CONFIG), *extra])
+    options = [*options, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
+               ("grpc.service_config", SERVICE_CONFIG), *extra]
+    if security.tls is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        if authority:
+            options.append(("grpc.ssl_target_name_override", split_address(authority)[0]))
+        channel = grpc.secure_channel(address, channel_credentials(security.tls), options=options)
+    return with_token(channel, security.token)
 
 
 class _RequestEncoding:

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
-from orchestrator.remote import ServiceUnreachableError, open_channel
+from orchestrator.remote import ServiceSecurity, ServiceUnreachableError, open_channel
 from orchestrator.routing import HashRing, resolve
 from specdecode.model_info import ModelInfo
 
@@ -81,9 +81,10 @@ def health_status(channel: grpc.Channel, timeout_s: float) -> int | None:
 class ReplicaSet:
     def __init__(self, role: str, spec: str, make_client: Callable[[grpc.Channel, str], object],
                  channel_options: list[tuple[str, int]], *, health_interval_s: float = 1.0,
-                 resolve_interval_s: float = 10.0):
+                 resolve_interval_s: float = 10.0, security: ServiceSecurity = ServiceSecurity()):
         self.role, self.spec = role, spec
         self.make_client, self.channel_options = make_client, channel_options
+        self.security = security  # TLS / token for every replica's channel
         self.health_interval_s, self.resolve_interval_s = health_interval_s, resolve_interval_s
         self.info: ModelInfo | None = None  # the model every replica must serve
         self.listeners: list[Callable[[int], None]] = []
@@ -109,7 +110,7 @@ class ReplicaSet:
         with self._lock:
             for address, name in addresses:
                 if address not in self._replicas:
-                    channel = open_channel(address, self.channel_options, name)
+                    channel = open_channel(address, self.channel_options, name, self.security)
                     self._replicas[address] = Replica(address, name,
                                                       self.make_client(channel, address))
                     log.info("%s replica %s (%s) added", self.role, address, name)

@@ -11,7 +11,9 @@ import asyncio
 import logging
 import os
 
+from orchestrator.admission import AdmissionConfig
 from orchestrator.deadlines import ResilienceOptions
+from orchestrator.remote import ServiceSecurity
 from specdecode.server import ServerOptions, serve_deferred
 from specdecode.v1 import spec_decode_service_pb2, spec_decode_service_pb2_grpc
 
@@ -23,7 +25,9 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                              connect_timeout_s: float = 60.0,
                              default_max_tokens: int = 256, trace_every: int = 1,
                              resilience: ResilienceOptions = ResilienceOptions(),
-                             speculation: str = "adaptive", http_port: int = 0) -> None:
+                             speculation: str = "adaptive", http_port: int = 0, *,
+                             security: ServiceSecurity = ServiceSecurity(),
+                             admission: AdmissionConfig = AdmissionConfig()) -> None:
     """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
     trace_every: keep every Nth step span (1 = all, 0 = request spans only).
@@ -35,7 +39,10 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     sequences are released on the services.
 
     http_port: the OpenAI-compatible HTTP API's port on the same host (0 = off); it answers
-    503 until the services are checked, and drains with the gRPC server."""
+    503 until the services are checked, and drains with the gRPC server.
+    security: how to reach the services (mutual TLS, or a bearer token).
+    admission: request limits, concurrency and the per-step token budget (gRPC API)."""
+    from orchestrator.admission import Admission, RequestLimits
     from orchestrator.engine import SpecDecodeEngine
     from orchestrator.engine_loop import EngineLoop
     from orchestrator.fanout import connect_services
@@ -47,12 +54,13 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
     parts: dict = {}
-    servicer = SpecDecodeServicer(default_max_tokens)
+    servicer = SpecDecodeServicer(default_max_tokens, num_speculative_tokens,
+                                  Admission(admission.max_running, admission.max_queued))
 
     def load():
         proposer, scorer, p_info, s_info = connect_services(
             proposer_address, scorer_address, options.channel_options, resilience,
-            connect_timeout_s)
+            connect_timeout_s, security)
         parts["services"] = (proposer, scorer)
         check_compatible(p_info, s_info)
         tok = None
@@ -69,9 +77,11 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
                                   max_model_len=serving_max_model_len(p_info, s_info),
                                   num_speculative_tokens=num_speculative_tokens,
-                                  trace_every=trace_every, policy=policy)
+                                  trace_every=trace_every, policy=policy,
+                                  max_num_batched_tokens=admission.max_num_batched_tokens)
         log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
-        parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval))
+        parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
+                                   max_running=admission.max_running)
         parts["loop"].start()
         log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
                  p_info.model_name, s_info.model_name)
@@ -81,7 +91,8 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
             num_speculative_tokens=num_speculative_tokens,
             max_speculative_tokens=servicer.frontend.max_speculative_tokens,
             scoring_method=s_info.scoring_method, has_tokenizer=tok is not None)
-        return {"loop": parts["loop"], "tokenizer": tok, "info": info}
+        limits = RequestLimits.for_model(admission, engine.max_model_len, num_speculative_tokens)
+        return {"loop": parts["loop"], "tokenizer": tok, "info": info, "limits": limits}
 
     def follow_scorer(server) -> None:
         loop = asyncio.get_running_loop()

@@ -6,6 +6,7 @@ import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
 from specdecode.cost_model import attach_live_costs
+from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
 from specdecode.server import ServerOptions, serve_deferred
@@ -15,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 async def serve_proposer(options: ServerOptions, model: ModelOptions,
-                         draft_vocab_size: int = 0) -> None:
+                         draft_vocab_size: int = 0,
+                         limits: ServiceLimits = ServiceLimits()) -> None:
     def load():
         loaded = build_proposer(model, draft_vocab_size)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
@@ -25,4 +27,4 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
         return {"proposer": loaded.proposer, "info": loaded.info}
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
-                         ProposerServicer(), load)
+                         ProposerServicer(limits), load)

@@ -60,7 +60,7 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
 
     @map_errors
     async def GetProposals(self, request, context):
-        req = decode_request(request.request, self._request_limits())
+        req = decode_request(request.request, self._request_limits(), self.limits)
         proposals = await self.model.run(self.proposer.get_proposals, req)
         return proposer_service_pb2.GetProposalsResponse(
             proposals=wire.proposals_to_proto(proposals))

@@ -6,6 +6,7 @@ import logging
 
 from scorer_svc.servicer import ScorerServicer, build_scorer
 from specdecode.cost_model import attach_live_costs
+from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
 from specdecode.server import ServerOptions, serve_deferred
@@ -14,7 +15,8 @@ from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str) -> None:
+async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str,
+                       limits: ServiceLimits = ServiceLimits()) -> None:
     def load():
         loaded = build_scorer(model, scoring)
         export_runner_metrics(loaded.runner, "scorer")
@@ -23,4 +25,4 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
         return {"scorer": loaded.scorer, "info": loaded.info}
     await serve_deferred(options, scorer_service_pb2,
                          scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
-                         ScorerServicer(), load)
+                         ScorerServicer(limits), load)

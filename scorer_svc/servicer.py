@@ -47,9 +47,10 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
 
     @map_errors
     async def ScoreProposals(self, request, context):
-        req = decode_request(request.request, self.info)
+        req = decode_request(request.request, self.info, self.limits)
         proposals = wire.proposals_from_proto(request.proposals, "proposals",
-                                              batch_size=len(req.seq_group_metadata_list))
+                                              batch_size=len(req.seq_group_metadata_list),
+                                              vocab_size=self.info.vocab_size)
         ids = proposals.proposal_token_ids
         if ids.shape[1] != req.num_lookahead_slots:
             raise InvalidRequestError("proposals.proposal_token_ids",

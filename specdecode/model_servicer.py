@@ -1,26 +1,16 @@
 """What the proposer and scorer servicers share: GetModelInfo, ReleaseSequences, one model
-call at a time, and decoding a step's request against the served model."""
+call at a time (specdecode.model_access: stopped when its caller is gone), and decoding a
+step's request against the served model and this service's limits (specdecode.limits)."""
 
 from __future__ import annotations
 
-import asyncio
-
 from specdecode import wire
+from specdecode.limits import ServiceLimits
+from specdecode.model_access import ModelAccess
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
 from specdecode.server import Deferred, map_errors
 from specdecode.v1 import model_info_pb2
-
-
-class ModelAccess:
-    """One model call at a time, off the event loop."""
-
-    def __init__(self):
-        self._lock = asyncio.Lock()
-
-    async def run(self, fn, *args):
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args)
 
 
 class ModelServicer(Deferred):
@@ -29,8 +19,9 @@ class ModelServicer(Deferred):
 
     info: ModelInfo
 
-    def __init__(self):
+    def __init__(self, limits: ServiceLimits = ServiceLimits()):
         self.model = ModelAccess()
+        self.limits = limits
 
     def _core(self):
         """The proposer or scorer this servicer fronts."""
@@ -46,8 +37,11 @@ class ModelServicer(Deferred):
         return model_info_pb2.ReleaseSequencesResponse(released=released)
 
 
-def decode_request(m, info: ModelInfo) -> ExecuteModelRequest:
-    """Decode and validate the step's batch against this service's model."""
+def decode_request(m, info: ModelInfo,
+                   limits: ServiceLimits = ServiceLimits()) -> ExecuteModelRequest:
+    """Check the step's batch against this service's limits, decode it, and validate it
+    against this service's model."""
+    limits.check(m, info.max_model_len)
     req = wire.request_from_proto(m, field="request")
     try:
         req.validate(info.vocab_size, info.max_model_len)

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import tracing
+from specdecode.auth import BearerAuth, TokenSet
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.sequence import InvalidRequestError
+from specdecode.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,10 @@ RPC_SECONDS = prometheus_client.Histogram(
     "Time to handle one call of a specdecode service (health and reflection excluded); a "
     "Generate call lasts its whole stream.", ["method", "code"],
     buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+
+MALFORMED = prometheus_client.Counter(
+    "specdecode_malformed_requests", "Calls refused with INVALID_ARGUMENT because the request "
+    "message did not parse.", ["method"])
 
 # Server span status is ERROR for these codes (OpenTelemetry RPC conventions); a client's
 # bad input (INVALID_ARGUMENT, ...) is the client's error, recorded as the code only.
@@ -47,6 +54,10 @@ KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
                             ("grpc.http2.max_ping_strikes", 0)]
 
 
+class PortInUseError(OSError):
+    """A server's port is taken (servers never share a port: no SO_REUSEPORT)."""
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
@@ -54,11 +65,40 @@ class ServerOptions:
     metrics_port: int = 0  # 0 = no /metrics endpoint
     grace_seconds: float = 20.0  # drain time on SIGTERM
     max_message_mb: int = 64
+    tls: TlsFiles = TlsFiles()  # cert+key: serve TLS; ca: require client certificates
+    auth_token_file: str | None = None  # accept only calls with a bearer token listed here
+    reflection: bool = True  # serve grpc.reflection
+    metrics_host: str | None = None  # interface of /metrics (None = host)
+    # Largest request this server accepts, bytes (None = max_message_mb): the public API
+    # takes small requests, whatever the internal services exchange.
+    max_receive_bytes: int | None = None
 
     @property
     def channel_options(self) -> list[tuple[str, int]]:
         size = self.max_message_mb * 1024 * 1024
         return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+    @property
+    def server_options(self) -> list[tuple[str, int]]:
+        receive = self.max_receive_bytes or self.max_message_mb * 1024 * 1024
+        return [("grpc.max_send_message_length", self.max_message_mb * 1024 * 1024),
+                ("grpc.max_receive_message_length", receive),
+                ("grpc.so_reuseport", 0)]  # a second server on a taken port must fail
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """PortInUseError naming `what` if host:port cannot be bound (port 0 always can).
+    Checked before grpc binds, so the error is one clear line and not grpc's log."""
+    if not port:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc and http.server
+            try:
+                s.bind(address)
+            except OSError as exc:
+                raise PortInUseError(f"{what} {host}:{port} is not available: "
+                                     f"{exc.strerror}") from None
 
 
 def grpc_status_of(exc: BaseException) -> grpc.StatusCode:
@@ -107,6 +147,57 @@ def map_errors(method: Callable) -> Callable:
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     return wrapper
+
+
+class StrictDecoding(grpc.aio.ServerInterceptor):
+    """A request that does not parse gets INVALID_ARGUMENT (grpcio itself would answer
+    UNKNOWN or INTERNAL) and is counted in specdecode_malformed_requests_total."""
+
+    def __init__(self):
+        self._handlers: dict[str, tuple[object, object]] = {}
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        cached = self._handlers.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        parse, method = handler.request_deserializer, details.method.rsplit("/", 1)[-1]
+
+        async def decode(raw: bytes, context):
+            try:
+                return parse(raw)
+            except Exception as exc:  # DecodeError, RecursionError on absurd nesting, ...
+                MALFORMED.labels(method).inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request: not a valid {method} request message "
+                                    f"({type(exc).__name__})")
+
+        def unary(behavior):
+            async def run(raw, context):
+                return await behavior(await decode(raw, context), context)
+            return run
+
+        def stream(behavior):
+            async def run(raw, context):
+                responses = behavior(await decode(raw, context), context)
+                try:
+                    async for response in responses:
+                        yield response
+                finally:
+                    await responses.aclose()
+            return run
+
+        kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            wrapped = grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
+        elif handler.unary_stream is not None:
+            wrapped = grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
+        else:  # streaming requests (reflection) parse message by message: left as they are
+            return handler
+        self._handlers[details.method] = (handler, wrapped)
+        return wrapped
 
 
 class _CallObserver:
@@ -257,14 +348,28 @@ class GrpcServer:
     def __init__(self, options: ServerOptions, service_names: list[str],
                  start_traces: bool = True):
         self.options = options
-        self.server = grpc.aio.server(options=options.channel_options + KEEPALIVE_SERVER_OPTIONS,
-                                      interceptors=[ServerTracing(start_traces)])
+        check_port_free(options.host, options.port, "--port")
+        check_port_free(options.metrics_host or options.host, options.metrics_port,
+                        "--metrics-port")
+        interceptors = [StrictDecoding(), ServerTracing(start_traces)]
+        if options.auth_token_file:  # outermost: refuse before any work
+            interceptors.insert(0, BearerAuth(TokenSet(options.auth_token_file)))
+        self.server = grpc.aio.server(options=options.server_options + KEEPALIVE_SERVER_OPTIONS,
+                                      interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        if options.reflection:
+            reflection.enable_server_reflection(
+                [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        address = f"{options.host}:{options.port}"
+        try:
+            if options.tls.enabled:
+                self.port = self.server.add_secure_port(address, server_credentials(options.tls))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # taken between the check and here
+            raise PortInUseError(f"--port {address} is not available") from None
         self._stopping = asyncio.Event()
 
     async def _set_status(self, status) -> None:
@@ -275,11 +380,19 @@ class GrpcServer:
         await self._set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if self.options.metrics_port:
-            prometheus_client.start_http_server(self.options.metrics_port, addr=self.options.host)
+            host = self.options.metrics_host or self.options.host
+            try:
+                prometheus_client.start_http_server(self.options.metrics_port, addr=host)
+            except OSError as exc:
+                await self.server.stop(None)
+                raise PortInUseError(f"--metrics-port {host}:{self.options.metrics_port} is "
+                                     f"not available: {exc.strerror}") from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
-        log.info("listening on %s:%d", self.options.host, self.port)
+        log.info("listening on %s:%d (%s)", self.options.host, self.port,
+                 "mutual TLS" if self.options.tls.ca and self.options.tls.enabled
+                 else "TLS" if self.options.tls.enabled else "plaintext")
 
     async def set_serving(self, serving: bool = True) -> None:
         """SERVING or NOT_SERVING (e.g. while a server it depends on is down); once

@@ -39,6 +39,10 @@ _BY_WIRE: dict[int, tuple[torch.dtype, np.dtype]] = {
 _BY_TORCH: dict[torch.dtype, tuple[int, np.dtype]] = {
     t: (w, n) for w, (t, n) in _BY_WIRE.items()}
 _INTS = (torch.int64,)
+# Most elements a sparse tensor may expand to (1 GiB of float32). A dense tensor's elements
+# are all in the message, so the message-size limit bounds them; a sparse one's shape is a
+# claim, checked against this before anything is allocated.
+MAX_DENSE_ELEMENTS = 1 << 28
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -89,6 +93,9 @@ def _densify(m: tensor_pb2.Tensor, shape: list[int], np_dtype: np.dtype,
     if not shape:
         raise InvalidRequestError(field, "a sparse tensor needs at least one dimension")
     R, V = math.prod(shape[:-1]), shape[-1]
+    if R * V > MAX_DENSE_ELEMENTS:  # checked before anything is allocated
+        raise InvalidRequestError(field, f"shape {shape} is {R * V} elements once dense; the "
+                                         f"limit is {MAX_DENSE_ELEMENTS}")
     sparse = m.sparse_rows
     if len(sparse.row_starts) != (R + 1) * 8:
         raise InvalidRequestError(field, f"sparse_rows.row_starts has {len(sparse.row_starts)} "
@@ -246,12 +253,13 @@ def proposals_to_proto(p: SpeculativeProposals) -> speculative_pb2.SpeculativePr
 
 
 def proposals_from_proto(m: speculative_pb2.SpeculativeProposals, field: str = "proposals",
-                         batch_size: int | None = None) -> SpeculativeProposals:
+                         batch_size: int | None = None,
+                         vocab_size: int | None = None) -> SpeculativeProposals:
     """Decode proposals, checking ids [B, k] int64, lens [B] int64 in [0, k], probs [B, k, V]
-    float; with `batch_size`, also that B equals it (the request's sequence count)."""
+    float; with `batch_size` / `vocab_size`, also that B / V equal them (the request's
+    sequence count, the model's vocabulary; V is checked before probs are decoded)."""
     ids = _tensor_field(m, "proposal_token_ids", field, required=True)
     lens = _tensor_field(m, "proposal_lens", field, required=True)
-    probs = _tensor_field(m, "proposal_probs", field, required=False)
     assert ids is not None and lens is not None
     _check(ids, f"{field}.proposal_token_ids", _INTS, [batch_size, None], "B k")
     b, k = ids.shape
@@ -259,8 +267,14 @@ def proposals_from_proto(m: speculative_pb2.SpeculativeProposals, field: str = "
     if lens.numel() and not (0 <= int(lens.min()) and int(lens.max()) <= k):
         raise InvalidRequestError(f"{field}.proposal_lens",
                                   f"values must be in [0, k={k}], got {lens.tolist()}")
+    if m.HasField("proposal_probs") and list(m.proposal_probs.shape) != [b, k, vocab_size] \
+            and vocab_size is not None:
+        raise InvalidRequestError(f"{field}.proposal_probs",
+                                  f"shape {list(m.proposal_probs.shape)} does not match "
+                                  f"[B={b}, k={k}, V={vocab_size}]")
+    probs = _tensor_field(m, "proposal_probs", field, required=False)
     if probs is not None:
-        _check(probs, f"{field}.proposal_probs", _FLOATS, [b, k, None], "B k V")
+        _check(probs, f"{field}.proposal_probs", _FLOATS, [b, k, vocab_size], "B k V")
     return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs,
                                 proposal_lens=lens)
 

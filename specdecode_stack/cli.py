@@ -20,10 +20,13 @@ from rich.console import Console
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
 from orchestrator.remote import ServiceUnreachableError
 from specdecode_stack.local import LocalStack, StackConfig
+from specdecode.auth import read_tokens
 from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
+from specdecode.limits import ServiceLimits
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.model_loading import ModelOptions, parse_size
-from specdecode.server import ServerOptions
+from specdecode.server import PortInUseError, ServerOptions
+from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
@@ -51,6 +54,22 @@ def server_options(default_port: int):
             opt("--grace-seconds", default=20.0, type=float,
                 help="On SIGTERM, how long in-flight requests may take to finish."),
             opt("--max-message-mb", default=64, type=int, help="Largest gRPC message, MiB."),
+            opt("--metrics-host", default=None,
+                help="Address of the /metrics endpoint (default: --host), e.g. an internal "
+                     "interface the scraper reaches."),
+            opt("--tls-cert", default=None, type=click.Path(dir_okay=False),
+                help="PEM certificate (chain): serve TLS (needs --tls-key). Re-read when the "
+                     "file changes."),
+            opt("--tls-key", default=None, type=click.Path(dir_okay=False),
+                help="PEM private key of --tls-cert."),
+            opt("--tls-ca", default=None, type=click.Path(dir_okay=False),
+                help="PEM CA: require client certificates signed by it (mutual TLS)."),
+            opt("--auth-token-file", default=None, type=click.Path(dir_okay=False),
+                help="Accept only calls with `authorization: Bearer <token>` for a token "
+                     "listed in this file (one per line; re-read when it changes). Health "
+                     "checks stay open."),
+            opt("--reflection/--no-reflection", default=True,
+                help="Serve gRPC server reflection."),
         ]):
             fn = o(fn)
         return fn
@@ -95,6 +114,37 @@ def telemetry_options(fn):
     return fn
 
 
+def service_limit_options(fn):
+    for o in reversed([
+        opt("--max-batch-seqs", default=256, type=click.IntRange(1),
+            help="Most sequences in one call (at least the orchestrator's "
+                 "--max-running-requests)."),
+        opt("--max-speculative-tokens", default=16, type=click.IntRange(0),
+            help="Most draft tokens per sequence (k) in one call."),
+        opt("--max-batch-tokens", default=0, type=click.IntRange(0),
+            help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
+    ]):
+        fn = o(fn)
+    return fn
+
+
+def admission_options(fn):
+    for o in reversed([
+        opt("--max-prompt-tokens", default=0, type=click.IntRange(0),
+            help="Longest prompt, tokens (0 = the model length less one)."),
+        opt("--max-running-requests", default=64, type=click.IntRange(1),
+            help="Requests decoded at once; more wait in the queue."),
+        opt("--max-queued-requests", default=256, type=click.IntRange(0),
+            help="Requests waiting for a running slot; beyond that, RESOURCE_EXHAUSTED with "
+                 "a retry hint."),
+        opt("--max-num-batched-tokens", default=512, type=click.IntRange(16),
+            help="Token budget of one step: running sequences first, then prompts, split "
+                 "across steps (chunked prefill) so a long prompt never stalls other streams."),
+    ]):
+        fn = o(fn)
+    return fn
+
+
 def _trace_steps(ctx, param, value) -> int:
     try:
         return parse_trace_steps(value)
@@ -128,8 +178,14 @@ def serve() -> None:
     """Run one service in the foreground."""
 
 
-def _server(host, port, metrics_port, grace_seconds, max_message_mb) -> ServerOptions:
-    return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb)
+def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_host, tls_cert,
+            tls_key, tls_ca, auth_token_file, reflection, **extra) -> ServerOptions:
+    if tls_ca and not tls_cert:
+        raise click.UsageError("--tls-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb,
+                         tls=TlsFiles(tls_cert, tls_key, tls_ca),
+                         auth_token_file=auth_token_file, reflection=reflection,
+                         metrics_host=metrics_host, **extra)
 
 
 DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequent token ids "
@@ -141,15 +197,18 @@ DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequen
 @opt("--model", default="ngram", help="Draft model directory or .gguf, or 'ngram'.")
 @opt("--draft-vocab-size", default=0, type=click.IntRange(0), help=DRAFT_VOCAB_HELP)
 @model_options
+@service_limit_options
 @server_options(50052)
 @telemetry_options
 def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cache_memory,
-                   max_num_seqs, enforce_eager, trace_console, log_format, **server) -> None:
+                   max_num_seqs, enforce_eager, trace_console, log_format, max_batch_seqs,
+                   max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
-    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size),
+    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
+    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits),
                 trace_console, log_format)
 
 
@@ -160,16 +219,19 @@ def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cac
      help="auto: multi-query or batch expansion per call, whichever the measured forward "
           "costs say is cheaper.")
 @model_options
+@service_limit_options
 @server_options(50053)
 @telemetry_options
 def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                 enforce_eager, trace_console, log_format, **server) -> None:
+                 enforce_eager, trace_console, log_format, max_batch_seqs, max_speculative_tokens,
+                 max_batch_tokens, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
-    _run_server("scorer", lambda: run(_server(**server), options, scoring), trace_console,
-                log_format)
+    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
+    _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
+                trace_console, log_format)
 
 
 @serve.command("orchestrator")
@@ -210,24 +272,55 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
 @opt("--http-port", default=8000, type=click.IntRange(0, 65535),
      help="Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /health) on --host; 0 = off.")
+@opt("--service-tls-ca", default=None, type=click.Path(dir_okay=False),
+     help="PEM CA that signs the proposer's and scorer's certificates: connect to them over "
+          "TLS (checking the certificate against the --proposer/--scorer host name), "
+          "presenting --service-tls-cert (default --tls-cert) as the client certificate.")
+@opt("--service-tls-cert", default=None, type=click.Path(dir_okay=False),
+     help="Client certificate for the proposer and scorer (default: --tls-cert).")
+@opt("--service-tls-key", default=None, type=click.Path(dir_okay=False),
+     help="Private key of --service-tls-cert (default: --tls-key).")
+@opt("--service-token-file", default=None, type=click.Path(dir_okay=False),
+     help="File whose first token is sent as a bearer token to the proposer and scorer "
+          "(their --auth-token-file), for clusters without mutual TLS.")
+@admission_options
 @server_options(50051)
 @telemetry_options
 def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, speculation,
                        connect_timeout,
                        default_max_tokens, trace_steps, proposer_timeout, scorer_timeout,
                        scorer_retry_timeout, health_interval, resolve_interval, http_port,
-                       trace_console, log_format, **server) -> None:
+                       trace_console, log_format, service_tls_ca, service_tls_cert,
+                       service_tls_key, service_token_file, max_prompt_tokens,
+                       max_running_requests, max_queued_requests, max_num_batched_tokens,
+                       **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
+    from orchestrator.admission import AdmissionConfig
     from orchestrator.deadlines import ResilienceOptions
+    from orchestrator.remote import ServiceSecurity
     from orchestrator.serve import serve_orchestrator as run
     resilience = ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
                                    health_interval, resolve_interval)
-    _run_server("orchestrator", lambda: run(_server(**server), proposer, scorer, tokenizer,
-                                            num_speculative_tokens, connect_timeout,
-                                            default_max_tokens, trace_steps, resilience,
-                                            speculation, http_port),
-                trace_console, log_format)
+
+    def start():
+        tls = None
+        if service_tls_ca:
+            tls = TlsFiles(service_tls_cert or server["tls_cert"],
+                           service_tls_key or server["tls_key"], service_tls_ca)
+        token = None
+        if service_token_file:
+            tokens = read_tokens(service_token_file)
+            if not tokens:
+                raise ValueError(f"--service-token-file: {service_token_file} lists no token")
+            token = tokens[0]
+        admission = AdmissionConfig(max_prompt_tokens, max_running_requests,
+                                    max_queued_requests, max_num_batched_tokens)
+        return run(_server(**server, max_receive_bytes=admission.max_request_bytes),
+                   proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
+                   default_max_tokens, trace_steps, resilience, speculation, http_port,
+                   security=ServiceSecurity(tls, token), admission=admission)
+    _run_server("orchestrator", start, trace_console, log_format)
 
 
 def stack_options(fn):
@@ -276,10 +369,26 @@ def _start(stack: LocalStack) -> None:
 @stack_options
 @opt("--http-port", default=8000, type=click.IntRange(0, 65535),
      help="Port of the orchestrator's OpenAI-compatible HTTP API; 0 = off.")
-def up(http_port, **kw) -> None:
+@opt("--tls-cert", default=None, type=click.Path(exists=True, dir_okay=False),
+     help="PEM certificate for all three servers (valid for 127.0.0.1): serve TLS.")
+@opt("--tls-key", default=None, type=click.Path(exists=True, dir_okay=False),
+     help="PEM private key of --tls-cert.")
+@opt("--tls-ca", default=None, type=click.Path(exists=True, dir_okay=False),
+     help="PEM CA of --tls-cert: the proposer and scorer then accept only clients with a "
+          "certificate it signed (the orchestrator presents --tls-cert).")
+@opt("--auth-token-file", default=None, type=click.Path(exists=True, dir_okay=False),
+     help="Bearer tokens the public API accepts, one per line.")
+def up(http_port, tls_cert, tls_key, tls_ca, auth_token_file, **kw) -> None:
     """Start proposer, scorer and orchestrator on 127.0.0.1; Ctrl-C stops all three."""
     stack = _stack(**kw)
     stack.config.http_port = http_port
+    try:
+        stack.config.tls = TlsFiles(tls_cert, tls_key, tls_ca)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if tls_ca and not tls_cert:
+        raise click.UsageError("--tls-ca needs --tls-cert and --tls-key")
+    stack.config.auth_token_file = auth_token_file
     _start(stack)
     http = f", OpenAI API on http://127.0.0.1:{http_port}/v1" if http_port else ""
     click.echo(f"specdecode is serving on {stack.address}{http} (Ctrl-C to stop)")
@@ -292,11 +401,12 @@ def up(http_port, **kw) -> None:
     click.echo(f"stopped: {codes}")
 
 
-def _print_stream(address: str, prompt: str, as_json: bool, **params) -> GenerateResult:
+def _print_stream(address: str, prompt: str, as_json: bool, tls_ca: str | None = None,
+                  token: str | None = None, **params) -> GenerateResult:
     console = Console(highlight=False)
     result = GenerateResult()
     start = time.perf_counter()
-    with SpecDecodeClient(address) as client:
+    with SpecDecodeClient(address, tls_ca=tls_ca, token=token) as client:
         try:
             for response in client.stream(prompt, **params):
                 accumulate(result, response)
@@ -326,10 +436,13 @@ def _print_stream(address: str, prompt: str, as_json: bool, **params) -> Generat
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", default=None, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@opt("--tls-ca", default=None, type=click.Path(dir_okay=False),
+     help="Connect over TLS, trusting this CA (PEM).")
+@opt("--token", default=None, help="Bearer token for a server started with --auth-token-file.")
 @click.argument("prompt")
-def generate(address, prompt, as_json, **params) -> None:
+def generate(address, prompt, as_json, tls_ca, token, **params) -> None:
     """Stream a completion of PROMPT from a running orchestrator."""
-    _print_stream(address, prompt, as_json, **params)
+    _print_stream(address, prompt, as_json, tls_ca, token, **params)
 
 
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci "

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-import grpc
 
 from specdecode.health import wait_serving
 from specdecode.models import has_tokenizer
+from specdecode.tls import TlsFiles, open_channel
 
 
 def free_port() -> int:
@@ -22,13 +22,14 @@ def free_port() -> int:
 
 
 def wait_process_serving(address: str, timeout_s: float,
-                         process: subprocess.Popen | None = None) -> None:
+                         process: subprocess.Popen | None = None,
+                         tls: TlsFiles | None = None) -> None:
     """Wait until the server at `address` reports SERVING; RuntimeError if its process dies
-    or time runs out."""
+    or time runs out. With `tls`, over TLS (presenting tls.cert to a server that asks)."""
     def check() -> None:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"the server for {address} exited with code {process.returncode}")
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         if not wait_serving(channel, timeout_s, check):
             raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
 
@@ -49,6 +50,12 @@ class StackConfig:
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     log_file: str | None = None  # the servers' logs go here (appended) instead of stderr
+    # TLS for all three servers (cert+key); with a CA, the proposer and scorer require
+    # client certificates signed by it and the orchestrator presents the same certificate.
+    tls: TlsFiles = TlsFiles()
+    auth_token_file: str | None = None  # bearer tokens the public API accepts
+    orchestrator_args: list[str] = field(default_factory=list)  # extra `serve` flags
+    service_args: list[str] = field(default_factory=list)  # for the proposer and scorer
 
 
 class LocalStack:
@@ -64,6 +71,9 @@ class LocalStack:
         self.metrics_ports = {role: free_port() for role in self.service_addresses}
 
     def _spawn(self, role: str, *args: str) -> subprocess.Popen:
+        # Ports are picked as late as possible: a free port can be taken by anyone's
+        # connection meanwhile, and a server refuses a taken port (no SO_REUSEPORT).
+        self.metrics_ports[role] = free_port()
         # Three processes share this host's cores and take turns (propose, then score):
         # OpenMP threads that spin after each op would starve the other processes (measured
         # 5x slower per step on 2 cores), so they sleep instead unless the caller says otherwise.
@@ -80,27 +90,44 @@ class LocalStack:
                                                         stderr=subprocess.STDOUT)
         return self.processes[role]
 
+    def _tls_args(self, role: str) -> list[str]:
+        tls = self.config.tls
+        if not tls.enabled:
+            return []
+        args = ["--tls-cert", tls.cert, "--tls-key", tls.key]
+        if tls.ca:
+            args += ["--service-tls-ca", tls.ca] if role == "orchestrator" else ["--tls-ca", tls.ca]
+        return args
+
     def start(self, timeout_s: float = 300.0) -> str:
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype]
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]
+        auth = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
+        probe = c.tls if c.tls.enabled else None  # health checks present our certificate
         try:
             scorer = self._spawn("scorer", "--port", s_addr.rsplit(":", 1)[1], "--model", model,
-                                 "--scoring", c.scoring, *model_args)
+                                 "--scoring", c.scoring, *model_args, *self._tls_args("scorer"),
+                                 *c.service_args)
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
                                    "--model", c.draft_model, "--draft-vocab-size",
-                                   str(c.draft_vocab_size), *model_args)
-            wait_process_serving(s_addr, timeout_s, scorer)
-            wait_process_serving(p_addr, timeout_s, proposer)
+                                   str(c.draft_vocab_size), *model_args,
+                                   *self._tls_args("proposer"), *c.service_args)
+            wait_process_serving(s_addr, timeout_s, scorer, probe)
+            wait_process_serving(p_addr, timeout_s, proposer, probe)
+            if not c.port:
+                self.address = self.service_addresses["orchestrator"] = \
+                    f"127.0.0.1:{free_port()}"
             orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
                                "--proposer", p_addr, "--scorer", s_addr,
                                "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
                                                               else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
                                "--speculation", c.speculation,
-                               "--http-port", str(c.http_port))
-            wait_process_serving(self.address, timeout_s, orch)
+                               "--http-port", str(c.http_port),
+                               *self._tls_args("orchestrator"), *auth, *c.orchestrator_args)
+            wait_process_serving(self.address, timeout_s, orch, probe)
         except BaseException:
             self.stop()
             raise

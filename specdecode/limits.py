@@ -1,0 +1,40 @@
+"""Per-call bounds of the proposer and scorer (docs/design.md, "Guard"; invariant 7).
+
+Checked on the protobuf message before it is decoded or any model work starts, so an
+oversized call costs a few microseconds and gets INVALID_ARGUMENT naming the limit. The
+orchestrator's own calls stay inside them when its --max-running-requests and
+--num-speculative-tokens are at most these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdecode.sequence import InvalidRequestError
+from specdecode.v1 import sequence_pb2
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_batch_seqs: int = 256  # sequences in one call
+    max_speculative_tokens: int = 16  # num_lookahead_slots (k) of one call
+    max_batch_tokens: int = 0  # token ids in one call (0 = max_batch_seqs x max model len)
+
+    def check(self, m: sequence_pb2.ExecuteModelRequest, max_model_len: int,
+              field: str = "request") -> None:
+        n = len(m.seq_group_metadata_list)
+        if n > self.max_batch_seqs:
+            raise InvalidRequestError(f"{field}.seq_group_metadata_list",
+                                      f"{n} sequences; at most {self.max_batch_seqs} per call "
+                                      f"(--max-batch-seqs)")
+        if m.num_lookahead_slots > self.max_speculative_tokens:
+            raise InvalidRequestError(f"{field}.num_lookahead_slots",
+                                      f"{m.num_lookahead_slots}; at most "
+                                      f"{self.max_speculative_tokens} (--max-speculative-tokens)")
+        tokens = sum(len(d.prompt_token_ids) + len(d.output_token_ids)
+                     for sg in m.seq_group_metadata_list for d in sg.seq_data.values())
+        cap = self.max_batch_tokens or self.max_batch_seqs * max_model_len
+        if tokens > cap:
+            raise InvalidRequestError(f"{field}.seq_group_metadata_list",
+                                      f"{tokens} token ids; at most {cap} per call "
+                                      f"(--max-batch-tokens)")

@@ -1,0 +1,73 @@
+"""One model call at a time, off the event loop, and stopped when its caller is gone
+(docs/design.md, "Guard": no orphaned forwards).
+
+When a call is cancelled (the client went away or its deadline passed, and grpc.aio
+cancels the handler), the forward pass running in the worker thread is stopped at its
+next module boundary: a process-wide forward pre-hook raises `ForwardStopped` in the thread
+whose call was cancelled. The lock is held until that thread has really returned, so a
+second forward never runs beside a stopped one. The model runner writes its KV cache only
+after a forward completes, so a stopped forward leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import threading
+
+import torch
+
+_local = threading.local()  # .stop: the threading.Event of the call this thread runs
+_hook_installed = False
+
+
+class ForwardStopped(Exception):
+    """Raised inside a model forward whose call was cancelled."""
+
+
+def _stop_if_cancelled(module, args) -> None:
+    stop = getattr(_local, "stop", None)
+    if stop is not None and stop.is_set():
+        raise ForwardStopped("the call was cancelled")
+
+
+def _install_hook() -> None:
+    global _hook_installed
+    if not _hook_installed:
+        torch.nn.modules.module.register_module_forward_pre_hook(_stop_if_cancelled)
+        _hook_installed = True
+
+
+class ModelAccess:
+    def __init__(self):
+        _install_hook()
+        self._lock = asyncio.Lock()
+        self.stopped_calls = 0  # calls stopped because their caller went away
+
+    @staticmethod
+    def _call(stop: threading.Event, fn, args):
+        _local.stop = stop
+        try:
+            return fn(*args)
+        finally:
+            _local.stop = None
+
+    async def run(self, fn, *args):
+        async with self._lock:
+            stop = threading.Event()
+            call = functools.partial(contextvars.copy_context().run, self._call, stop, fn, args)
+            future = asyncio.get_running_loop().run_in_executor(None, call)
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                stop.set()
+                self.stopped_calls += 1
+                while not future.done():  # keep the lock until the thread has returned
+                    try:
+                        await asyncio.wait([future])
+                    except asyncio.CancelledError:
+                        pass
+                if not future.cancelled():
+                    future.exception()  # retrieved: ForwardStopped is expected here
+                raise
