@@ -16,7 +16,12 @@ import contextvars
 import functools
 import threading
 
+import prometheus_client
 import torch
+
+STOPPED = prometheus_client.Counter(
+    "specdecode_model_calls_stopped", "Model calls stopped because their caller went away "
+    "(cancelled, or its deadline passed).")
 
 _local = threading.local()  # .stop: the threading.Event of the call this thread runs
 _hook_installed = False
@@ -43,7 +48,6 @@ class ModelAccess:
     def __init__(self):
         _install_hook()
         self._lock = asyncio.Lock()
-        self.stopped_calls = 0  # calls stopped because their caller went away
 
     @staticmethod
     def _call(stop: threading.Event, fn, args):
@@ -62,7 +66,7 @@ class ModelAccess:
                 return await asyncio.shield(future)
             except asyncio.CancelledError:
                 stop.set()
-                self.stopped_calls += 1
+                STOPPED.inc()
                 while not future.done():  # keep the lock until the thread has returned
                     try:
                         await asyncio.wait([future])
