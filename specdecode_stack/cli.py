@@ -25,7 +25,7 @@ from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
 from specdecode.limits import ServiceLimits
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.model_loading import ModelOptions, parse_size
-from specdecode.server import PortInUseError, ServerOptions
+from specdecode.server import ServerOptions
 from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure

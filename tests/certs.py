@@ -53,8 +53,9 @@ class TestCA:
     def ca_file(self) -> str:
         return self.files.cert
 
-    def issue(self, name: str) -> Issued:
-        """A certificate for 127.0.0.1 and localhost, good for server and client auth."""
+    def issue(self, name: str, dns_names: tuple[str, ...] = ()) -> Issued:
+        """A certificate for 127.0.0.1, localhost and `dns_names`, good for server and
+        client auth."""
         key = _key()
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (x509.CertificateBuilder()
@@ -64,7 +65,8 @@ class TestCA:
                 .not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=1))
                 .add_extension(x509.SubjectAlternativeName([
-                    x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                    x509.DNSName("localhost"), *map(x509.DNSName, dns_names),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                     critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),

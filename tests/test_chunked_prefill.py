@@ -100,7 +100,7 @@ def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
     # The structural property, free of timing noise: no forward pass on either service
     # computed more than ~the step budget (without chunks the scorer's first forward of the
     # long prompt computes 4,000 tokens, the draft's the same on its first decode step).
-    assert largest == {"proposer": 1024, "scorer": 1024}, largest
+    assert max(largest.values()) <= 1024, largest
     gaps = [b - a for a, b in zip(times[5:], times[6:])]
     median, worst = statistics.median(gaps), max(gaps)
     during = [b - a for a, b in zip(times, times[1:]) if joined["start"] <= a <= joined["end"]]

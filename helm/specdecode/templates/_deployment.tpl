@@ -29,7 +29,7 @@ The scorer also gets its accelerator: device resource, placement, runtime enviro
 {{- if eq $accType "npu" }}
 {{- $groups = $acc.supplementalGroups | default list }}
 {{- end }}
-{{- $args := concat .args ($v.extraArgs | default list) }}
+{{- $args := concat .args (include "specdecode.securityArgs" $ctx | fromJsonArray) ($v.extraArgs | default list) }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -160,7 +160,7 @@ spec:
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          {{- include "specdecode.probes" (dict "root" $root "values" $v) | trim | nindent 10 }}
+          {{- include "specdecode.probes" (dict "root" $root "values" $v "component" $c) | trim | nindent 10 }}
           {{- if $root.Values.preStopSleepSeconds }}
           lifecycle:
             preStop:
@@ -175,6 +175,16 @@ spec:
             {{- include "specdecode.containerSecurityContext" $root | nindent 12 }}
           volumeMounts:
             {{- include "specdecode.scratchMounts" $root | nindent 12 }}
+            {{- if $root.Values.tls.enabled }}
+            - name: tls
+              mountPath: {{ $root.Values.tls.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if and (eq $c "orchestrator") $root.Values.auth.tokenSecret }}
+            - name: auth-tokens
+              mountPath: /etc/specdecode/auth
+              readOnly: true
+            {{- end }}
             {{- if $mountsModels }}
             - name: models
               mountPath: {{ $root.Values.models.mountPath }}
@@ -192,6 +202,17 @@ spec:
             {{- end }}
       volumes:
         {{- include "specdecode.scratchVolumes" $root | nindent 8 }}
+        {{- if $root.Values.tls.enabled }}
+        # Mounted whole (no subPath), so a renewed certificate reaches the running server.
+        - name: tls
+          secret:
+            secretName: {{ include "specdecode.tlsSecretName" $root }}
+        {{- end }}
+        {{- if and (eq $c "orchestrator") $root.Values.auth.tokenSecret }}
+        - name: auth-tokens
+          secret:
+            secretName: {{ $root.Values.auth.tokenSecret }}
+        {{- end }}
         {{- if $mountsModels }}
         {{- include "specdecode.modelsVolume" $root | trim | nindent 8 }}
         {{- end }}

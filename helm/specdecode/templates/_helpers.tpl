@@ -170,12 +170,36 @@ Native gRPC probes against grpc.health.v1.Health. Call with (dict "root" $ "valu
 */}}
 {{- define "specdecode.probes" -}}
 {{- $probes := mergeOverwrite (deepCopy .root.Values.probes) (deepCopy (.values.probes | default dict)) }}
+{{- $tls := .root.Values.tls }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{- $p := index $probes $kind }}
 {{ $kind }}Probe:
+  {{- if $tls.enabled }}
+  # The kubelet's gRPC probes cannot speak TLS: the same health check, over mutual TLS.
+  exec:
+    command:
+      - python
+      - -m
+      - specdecode.probe
+      - --address
+      - {{ printf "127.0.0.1:%v" $.values.port | quote }}
+      - --server-name
+      - {{ printf "%s.%s.svc" (include "specdecode.componentName" (dict "root" $.root "component" $.component)) $.root.Release.Namespace | quote }}
+      - --tls-ca
+      - {{ printf "%s/ca.crt" $tls.mountPath | quote }}
+      - --tls-cert
+      - {{ printf "%s/tls.crt" $tls.mountPath | quote }}
+      - --tls-key
+      - {{ printf "%s/tls.key" $tls.mountPath | quote }}
+      - --service
+      - {{ $.root.Values.grpc.healthService | quote }}
+      - --timeout
+      - {{ $p.timeoutSeconds | quote }}
+  {{- else }}
   grpc:
     port: {{ $.values.port }}
     service: {{ $.root.Values.grpc.healthService | quote }}
+  {{- end }}
   initialDelaySeconds: {{ $p.initialDelaySeconds }}
   periodSeconds: {{ $p.periodSeconds }}
   timeoutSeconds: {{ $p.timeoutSeconds }}
@@ -351,4 +375,33 @@ Checks on values that the schema cannot express; rendering fails with a clear me
 {{- fail (printf "%s.port and %s.metricsPort are both %d: give them different ports" $c $c (int $cv.port)) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+The Secret with the servers' certificate (tls.crt, tls.key, ca.crt).
+*/}}
+{{- define "specdecode.tlsSecretName" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "specdecode.fullname" .)) }}
+{{- end }}
+
+{{/*
+Server flags for TLS (and the orchestrator's bearer tokens). Call with (dict "root" $ "component" "scorer");
+renders a JSON list, read back with fromJsonArray.
+*/}}
+{{- define "specdecode.securityArgs" -}}
+{{- $root := .root }}
+{{- $args := list }}
+{{- if $root.Values.tls.enabled }}
+{{- $dir := $root.Values.tls.mountPath }}
+{{- $args = list "--tls-cert" (printf "%s/tls.crt" $dir) "--tls-key" (printf "%s/tls.key" $dir) }}
+{{- if eq .component "orchestrator" }}
+{{- $args = concat $args (list "--service-tls-ca" (printf "%s/ca.crt" $dir)) }}
+{{- else }}
+{{- $args = concat $args (list "--tls-ca" (printf "%s/ca.crt" $dir)) }}
+{{- end }}
+{{- end }}
+{{- if and (eq .component "orchestrator") $root.Values.auth.tokenSecret }}
+{{- $args = concat $args (list "--auth-token-file" (printf "/etc/specdecode/auth/%s" $root.Values.auth.tokenKey)) }}
+{{- end }}
+{{- toJson $args }}
 {{- end }}
