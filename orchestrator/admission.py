@@ -1,5 +1,5 @@
 """What one request may ask for, and how many may be in the orchestrator at once
-(docs/design.md, "Guard"; invariant 7: work is bounded).
+(docs/security.md; invariant 7: work is bounded).
 
 Two small interfaces any front end calls (the gRPC servicer; an HTTP API the same way):
 

@@ -1,4 +1,4 @@
-"""Bearer-token authentication (docs/design.md, "Guard").
+"""Bearer-token authentication (docs/security.md).
 
 Clients send `authorization: Bearer <token>` in the call's metadata. A server started with
 a token file accepts any token listed in it (one per line; blank lines and `#` comments

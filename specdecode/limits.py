@@ -1,4 +1,4 @@
-"""Per-call bounds of the proposer and scorer (docs/design.md, "Guard"; invariant 7).
+"""Per-call bounds of the proposer and scorer (docs/security.md; invariant 7).
 
 Checked on the protobuf message before it is decoded or any model work starts, so an
 oversized call costs a few microseconds and gets INVALID_ARGUMENT naming the limit. The

@@ -1,5 +1,5 @@
 """One model call at a time, off the event loop, and stopped when its caller is gone
-(docs/design.md, "Guard": no orphaned forwards).
+(docs/security.md: no orphaned forwards).
 
 When a call is cancelled (the client went away or its deadline passed, and grpc.aio
 cancels the handler), the forward pass running in the worker thread is stopped at its

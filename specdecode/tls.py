@@ -1,4 +1,4 @@
-"""Transport security for every specdecode server and client (docs/design.md, "Guard").
+"""Transport security for every specdecode server and client (docs/security.md).
 
 A server with a certificate and key serves TLS; with a CA as well it requires client
 certificates signed by that CA (mutual TLS: the proposer and scorer accept only the
