@@ -95,7 +95,7 @@ def test_only_the_orchestrator_reaches_the_services_and_only_the_scraper_metrics
 def test_no_metrics_port_on_a_public_service(docs, helm):
     public = by_name(docs, "Service", component_name("orchestrator"))
     assert public["spec"]["type"] == "LoadBalancer"
-    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc"]
+    assert "metrics" not in [p["name"] for p in public["spec"]["ports"]]
     metrics = by_name(docs, "Service", component_name("orchestrator") + "-metrics")
     assert metrics["spec"]["type"] == "ClusterIP"
     for component in ("proposer", "scorer"):  # internal Services are headless, never exposed
