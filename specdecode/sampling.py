@@ -101,6 +101,15 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def _same_truncation(params: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
+    """Rows grouped by the settings truncated_probs reads, each with one of its params."""
+    groups: dict[tuple, tuple[list[int], SamplingParams]] = {}
+    for i, p in enumerate(params):
+        key = (p.temperature, p.top_k, p.top_p, p.min_p)
+        groups.setdefault(key, ([], p))[0].append(i)
+    return list(groups.values())
+
+
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """probs [N, V] -> token ids [N], row i drawn with generators[i] (None = global RNG)."""
     rows = [torch.multinomial(p.cpu(), 1, generator=g) for p, g in zip(probs, generators)]
@@ -130,7 +139,9 @@ def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions:
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     probs = None
     if sampled or want_probs:
-        probs = torch.stack([truncated_probs(row[None], p)[0] for row, p in zip(shaped, params)])
+        probs = torch.empty(shaped.shape, dtype=torch.float32, device=shaped.device)
+        for rows, p in _same_truncation(params):  # one batched call per distinct setting
+            probs[rows] = truncated_probs(shaped[rows], p)
         if sampled:
             gens = [step_generator(params[i], positions[i], purpose) for i in sampled]
             token_ids[sampled] = sample(probs[sampled], gens)

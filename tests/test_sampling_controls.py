@@ -23,7 +23,7 @@ PROMPT = [203, 41, 11, 140, 231, 59, 203, 41]  # found to repeat under top-k 3: 
 
 # One setting per control, strong enough to move the distribution visibly (each test also
 # checks that the control-free distribution would fail). Top-k 3 keeps the joint of three
-# tokens to at most 27 cells, so 1000 draws give the chi-square test enough in each cell.
+# tokens to at most 27 cells, so 600 draws give the chi-square test enough in each cell.
 CONTROLS = {
     "min_p": dict(min_p=0.3, top_k=0),
     "repetition_penalty": dict(repetition_penalty=3.0),
@@ -110,7 +110,7 @@ def test_sampled_tokens_follow_the_controlled_target_distribution(target_model, 
     # speculative step, where the draft proposes both and the target verifies them; the
     # third token's distribution depends on the second, a draft token when accepted.
     engine = make_engine(target_model, draft_model, "multi-query", 2)
-    n = 1000
+    n = 600
     done = engine.generate([Request(str(i), PROMPT, SamplingParams(
         **{**vars(params), "seed": i})) for i in range(n)])
     draws = [tuple(done[str(i)].output_token_ids) for i in range(n)]
