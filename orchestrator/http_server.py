@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 import uvicorn
+
+from specdecode.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +23,18 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, grace_seconds: float = 20.0):
+    def __init__(self, app, host: str, port: int, grace_seconds: float = 20.0,
+                 tls: TlsFiles = TlsFiles()):
+        """tls: the gRPC server's certificate and key (HTTPS), and with a CA, client
+        certificates required (mutual TLS), as for gRPC."""
+        tls_kw = {}
+        if tls.enabled:
+            tls_kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.ca:
+                tls_kw.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
-                                access_log=False, timeout_graceful_shutdown=grace_seconds)
+                                access_log=False, timeout_graceful_shutdown=grace_seconds,
+                                **tls_kw)
         self.server = _Server(config)
         self.address = f"{host}:{port}"
         self._task: asyncio.Task | None = None

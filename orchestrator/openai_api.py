@@ -37,6 +37,7 @@ from orchestrator.engine import TokenLogprobs
 from orchestrator.replicas import ServiceUnavailableError
 from orchestrator.generation import Delta, Frontend, Generation, ServedModel, add_usage
 from orchestrator.usage import Usage
+from specdecode.auth import TokenSet
 from specdecode.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,23 @@ class ChatCompletionRequest(_Sampling):
 
 # -- the app -----------------------------------------------------------------------------------
 
-def create_app(frontend: Frontend, served: Callable[[], ServedModel | None]) -> FastAPI:
-    """The HTTP app over `frontend`; `served()` describes the model (None while loading)."""
+def create_app(frontend: Frontend, served: Callable[[], ServedModel | None],
+               tokens: TokenSet | None = None) -> FastAPI:
+    """The HTTP app over `frontend`; `served()` describes the model (None while loading).
+    With `tokens` (the gRPC API's --auth-token-file), every /v1/ call needs one of them as
+    `Authorization: Bearer <token>` (401 otherwise); /health stays open, as for gRPC."""
     app = FastAPI(title="specdecode OpenAI-compatible API", docs_url=None, redoc_url=None)
     api = _OpenAIApi(frontend, served)
+
+    if tokens is not None:
+        @app.middleware("http")
+        async def require_token(request: Request, call_next):
+            if request.url.path.startswith("/v1/") and \
+                    tokens.authenticate(request.headers.get("authorization")) is None:
+                error = APIError(401, "authorization: a valid bearer token is required",
+                                 code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):

@@ -112,8 +112,12 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     if http_port:
         from orchestrator.http_server import HttpServer
         from orchestrator.openai_api import create_app
-        app = create_app(servicer.frontend, lambda: servicer.info if servicer.loaded else None)
-        companions.append(HttpServer(app, options.host, http_port, options.grace_seconds))
+        from specdecode.auth import TokenSet
+        tokens = TokenSet(options.auth_token_file) if options.auth_token_file else None
+        app = create_app(servicer.frontend, lambda: servicer.info if servicer.loaded else None,
+                         tokens)
+        companions.append(HttpServer(app, options.host, http_port, options.grace_seconds,
+                                     options.tls))
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,

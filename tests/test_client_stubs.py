@@ -33,3 +33,4 @@ def test_generated_stubs_do_not_shadow_and_speak_the_wire(tmp_path):
     request = pb.GenerateRequest.FromString(bytes.fromhex(out.stdout.strip()))
     assert (request.text, request.max_tokens, request.logprobs, request.n) == ("hi", 3, 2, 2)
     assert dict(request.logit_bias) == {7: 1.5}
+

@@ -1,0 +1,24 @@
+"""The OpenAI HTTP API behind the gRPC API's bearer tokens (specdecode.auth)."""
+
+from __future__ import annotations
+
+
+def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
+    """With --auth-token-file the OpenAI API asks for the same tokens (401 in OpenAI's shape
+    without one); /health stays open, as the gRPC health service does."""
+    from fastapi.testclient import TestClient
+
+    from orchestrator.generation import Frontend
+    from orchestrator.openai_api import create_app
+    from specdecode.auth import TokenSet
+
+    (tmp_path / "tokens").write_text("# clients\nsecret-1\n")
+    app = create_app(Frontend(), lambda: None, TokenSet(str(tmp_path / "tokens")))
+    with TestClient(app) as http:
+        denied = http.get("/v1/models")
+        assert denied.status_code == 401
+        assert denied.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        # Authorised, the call reaches the API (503: this frontend is still loading).
+        assert http.get("/v1/models", headers={"Authorization": "Bearer secret-1"}).status_code == 503
+        assert http.get("/health").status_code == 503  # open, and honest about loading
