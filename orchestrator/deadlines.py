@@ -62,11 +62,11 @@ class CallTimeout:
     seconds_per_token: float = 0.05  # a first guess (SmolLM2 on 2 CPU cores), then observed
     smoothing: float = 0.2
 
-    def timeout(self, tokens: int) -> float:
+    def timeout(self, tokens: int, scale: float = 1.0) -> float:
         if self.fixed_s > 0:
-            budget = self.fixed_s
+            budget = self.fixed_s * scale
         else:
-            budget = self.floor_s + self.factor * self.seconds_per_token * tokens
+            budget = (self.floor_s + self.factor * self.seconds_per_token * tokens) * scale
         left = remaining()
         return budget if left is None else max(0.0, min(budget, left))
 

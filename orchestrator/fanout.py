@@ -74,19 +74,24 @@ class _Routed:
     # Which failures take a replica out (and, for the scorer, are retried elsewhere).
     replica_failure = staticmethod(_retryable)
 
-    def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call) -> tuple[
+    def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call,
+                 attempt: int = 0) -> tuple[
             dict[str, tuple[list[int], object]], dict[str, tuple[list[int], BaseException]]]:
         """Route `rows` of the batch and run call(client, sub_request, rows, timeout) per
         replica in parallel: ({replica: (rows, result)}, {replica: (rows, error)}).
-        DeadlinePassedError once the step's client deadline has passed."""
+        DeadlinePassedError once the step's client deadline has passed. A sequence new to
+        its replica counts its whole length (recomputed there); retry `attempt` n doubles
+        the timeout n times (a replica that took over others' sequences is busier)."""
         groups = req.seq_group_metadata_list
         futures = {}
-        for address, (positions, client) in self.replicas.route(
+        for address, (positions, client, fresh) in self.replicas.route(
                 [groups[i].seq_id for i in rows]).items():
             sub_rows = [rows[p] for p in positions]
             sub = _sub_request(req, sub_rows)
-            tokens = step_tokens(sub)
-            timeout = self.timeout.timeout(tokens)  # here: the deadline lives in this thread
+            tokens = step_tokens(sub) + sum(groups[rows[p]].data.get_len() for p in fresh
+                                            if not groups[rows[p]].is_prompt)
+            timeout = self.timeout.timeout(tokens, 2 ** attempt)  # on this thread: the
+            # client deadline lives here
             if timeout <= 0:
                 raise DeadlinePassedError("the deadline of every request in the step passed")
             # In a copy of this thread's context: the call's client span is a child of the
@@ -161,8 +166,8 @@ class RoutedScorer(_Routed, SpeculativeScorer):
         while pending:
             if self.replicas.up_count() == 0 and self.replicas.down_for() >= self.retry_timeout_s:
                 raise self._unavailable(f"no replica up for {self.replicas.down_for():.0f}s")
-            done, failed = self._fan_out(req, pending, call) if self.replicas.up_count() \
-                else ({}, {})
+            done, failed = self._fan_out(req, pending, call, attempt) \
+                if self.replicas.up_count() else ({}, {})
             for rows, scores in done.values():
                 token_ids[rows] = scores.token_ids
                 probs = _put_rows(probs, rows, scores.probs, (B, K), 0.0)

@@ -230,19 +230,24 @@ class ReplicaSet:
     def describe(self) -> str:
         return f"{self.role} ({self.spec})"
 
-    def route(self, seq_ids: list[int]) -> dict[str, tuple[list[int], object]]:
-        """Replica address -> (positions in seq_ids it serves, its client); {} when none is
-        up."""
+    def route(self, seq_ids: list[int]) -> dict[str, tuple[list[int], object, list[int]]]:
+        """Replica address -> (positions in seq_ids it serves, its client, the positions it
+        has not served before: it will compute them from scratch); {} when none is up."""
         with self._lock:
             ring = self._ring
-            plan: dict[str, tuple[list[int], object]] = {}
+            plan: dict[str, tuple[list[int], object, list[int]]] = {}
             for i, seq_id in enumerate(seq_ids):
                 owner = ring.owner(seq_id)
                 if owner is None:
                     return {}
-                plan.setdefault(owner, ([], self._replicas[owner].client))[0].append(i)
+                positions, _, fresh = plan.setdefault(
+                    owner, ([], self._replicas[owner].client, []))
+                positions.append(i)
+                touched = self._touched.setdefault(seq_id, set())
+                if owner not in touched:
+                    fresh.append(i)
+                    touched.add(owner)
                 self._owner[seq_id] = owner
-                self._touched.setdefault(seq_id, set()).add(owner)
             counts = {a: 0 for a in self._replicas}
             for owner in self._owner.values():
                 counts[owner] = counts.get(owner, 0) + 1
