@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.engine import Request, SpecDecodeEngine
-from scorer_svc.methods import SCORING_METHODS
+from scorer_svc.methods import SCORING_METHODS, scorer_class
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.model_runner import ModelRunner
@@ -87,7 +87,7 @@ def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> 
 
 def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float:
     """One ScoreProposals on a warm cache: B sequences of `context` tokens, k proposals each."""
-    scorer = SCORING_METHODS[scoring](ModelWorker(ModelRunner(target, DEVICE), "target"))
+    scorer = scorer_class(scoring)(ModelWorker(ModelRunner(target, DEVICE), "target"))
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(B * 100 + k)
     groups = [SequenceGroupMetadata(str(i), False, {i: SequenceData(

@@ -30,7 +30,7 @@ from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, Sp
                                    SpeculativeScores)
 from specdecode.sampling import step_generator
 from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
-                                 SequenceData, SequenceGroupMetadata)
+                                 SequenceData, SequenceGroupMetadata, validate_token_ids)
 
 log = logging.getLogger(__name__)
 
@@ -242,16 +242,8 @@ class SpecDecodeEngine:
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequestError naming the first bad field."""
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt.token_ids", f"ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt)} tokens; the model allows fewer than {self.max_model_len}")
+        validate_token_ids(request.prompt_token_ids, [], self.vocab_size, self.max_model_len,
+                           "prompt")
         if request.num_speculative_tokens is not None and request.num_speculative_tokens < 0:
             raise InvalidRequestError("num_speculative_tokens",
                                       f"must be >= 0, got {request.num_speculative_tokens}")

@@ -49,6 +49,11 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join()
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted that have not joined a step yet."""
+        return len(self._pending)
+
     def submit(self, request: Request, sink: Sink) -> None:
         """Join at the next step; sink receives each StepOutput, or the exception that
         ended the request (InvalidRequestError if it could not be added)."""

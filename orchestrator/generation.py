@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from orchestrator import metrics
+from orchestrator import metrics, semconv
 from orchestrator.engine import Request, RequestStats, StepOutput, TokenLogprobs
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
@@ -90,6 +90,7 @@ class Frontend:
     loop: EngineLoop
     tokenizer = None
     loaded = False
+    model_name = ""  # the target model's (gen_ai.request.model)
 
     def __init__(self, default_max_tokens: int = 256, max_speculative_tokens: int = 16,
                  max_n: int = 16):
@@ -97,8 +98,9 @@ class Frontend:
         self.max_speculative_tokens = max_speculative_tokens
         self.max_n = max_n
 
-    def attach(self, loop: EngineLoop, tokenizer) -> None:
+    def attach(self, loop: EngineLoop, tokenizer, model_name: str = "") -> None:
         self.loop, self.tokenizer, self.loaded = loop, tokenizer, True
+        self.model_name = model_name
 
     @property
     def engine(self):
@@ -163,7 +165,8 @@ class Frontend:
             "specdecode.request_id": gen.request_id,
             "specdecode.prompt_tokens": len(gen.prompt_token_ids),
             "specdecode.max_tokens": gen.params.max_tokens,
-            "specdecode.temperature": gen.params.temperature, "specdecode.n": gen.n}, start_ns)
+            "specdecode.temperature": gen.params.temperature, "specdecode.n": gen.n,
+            **semconv.request_attributes(self.model_name, gen.params)}, start_ns)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         samples = [_Sample(i, r, TextStream(self.tokenizer, gen.stop) if self.tokenizer else None)
@@ -174,19 +177,28 @@ class Frontend:
                              loop.call_soon_threadsafe(queue.put_nowait, (i, item)))
         running = {s.index for s in samples}
         first, total = True, Usage()  # total: summed over finished samples
+        ttft: float | None = None
+
+        def closing(reason: str) -> dict:
+            return {**_span_attributes(total, reason), **semconv.response_attributes(
+                len(gen.prompt_token_ids), total.completion_tokens, reason, ttft,
+                time.perf_counter() - start)}
         try:
             while running:
                 index, item = await queue.get()
                 sample = samples[index]
                 if isinstance(item, BaseException):
                     metrics.REQUESTS.labels("error").inc()
-                    span.end(_span_attributes(total, "error"), error=item)
+                    span.end(closing("error"), error=item)
                     raise item
                 delta = sample.delta(item, self.loop)
                 now, n = time.perf_counter(), len(delta.token_ids)
                 if n:
-                    (metrics.TTFT.observe(now - start) if first
-                     else metrics.ITL.observe((now - sample.last) / n))
+                    if first:
+                        ttft = now - start
+                        metrics.TTFT.observe(ttft, span.exemplar)
+                    else:
+                        metrics.ITL.observe((now - sample.last) / n, span.exemplar)
                     metrics.GENERATED.inc(n)
                     first = False
                 sample.last = now
@@ -195,14 +207,14 @@ class Frontend:
                     metrics.REQUESTS.labels(delta.finish_reason).inc()
                     total = add_usage(total, delta.usage)
                     if not running:
-                        metrics.E2E.observe(now - start)
-                        span.end(_span_attributes(total, delta.finish_reason))
+                        metrics.E2E.observe(now - start, span.exemplar)
+                        span.end(closing(delta.finish_reason))
                 yield delta
         finally:
             for index in running:  # the caller went away or a sample failed: free the rest
                 metrics.REQUESTS.labels("cancelled").inc()
                 self.loop.abort(samples[index].request.request_id)
-            span.end(_span_attributes(total, "cancelled"))
+            span.end(closing("cancelled"))
 
 
 @dataclass

@@ -54,6 +54,8 @@ WIRE = Histogram("specdecode_step_wire_bytes", "Bytes on the wire per step, to a
                  "proposer and scorer.", ["direction"], buckets=BYTES_BUCKETS)
 REQUESTS = Counter("specdecode_requests", "Requests finished, by outcome.", ["outcome"])
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
+WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
+                "yet (they join at the next step boundary).")
 GENERATED = Counter("specdecode_generation_tokens", "Tokens returned to clients.")
 PROMPT = Counter("specdecode_prompt_tokens", "Prompt tokens received.")
 TTFT = Histogram("specdecode_time_to_first_token_seconds", "Time to the first token.",

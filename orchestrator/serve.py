@@ -46,7 +46,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     from orchestrator.engine import SpecDecodeEngine
     from orchestrator.engine_loop import EngineLoop
     from orchestrator.fanout import connect_services
-    from orchestrator.metrics import StepMetrics
+    from orchestrator.metrics import WAITING, StepMetrics
     from orchestrator.generation import ServedModel
     from orchestrator.servicer import SpecDecodeServicer
     from orchestrator.speculation_policy import SpeculationPolicy
@@ -82,6 +82,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
         parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                    max_running=admission.max_running)
+        WAITING.set_function(lambda: parts["loop"].waiting)
         parts["loop"].start()
         log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
                  p_info.model_name, s_info.model_name)

@@ -56,8 +56,12 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
 
     def attach(self, loop: EngineLoop, tokenizer, info: ServedModel,
                limits: RequestLimits | None = None) -> None:
-        self.frontend.attach(loop, tokenizer)
+        self.frontend.attach(loop, tokenizer, info.model_name)
         super().attach(info=info, limits=limits)
+
+    @property
+    def model_name(self) -> str:  # the metrics' model_name label
+        return self.info.model_name
 
     async def to_generation(self, m: pb.GenerateRequest) -> Generation:
         """GenerateRequest -> Generation; InvalidRequestError naming the field. Bounds that

@@ -1,13 +1,19 @@
-"""Device and dtype selection: cpu, cuda or an Ascend npu (torch_npu, imported lazily)."""
+"""Device and dtype selection: cpu, cuda or an Ascend npu (torch_npu, imported lazily).
+
+The choices are plain names and torch is imported only by the functions that need it, so
+the command line offers them without loading torch (`specdecode generate` never does).
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -16,6 +22,7 @@ class DeviceUnavailableError(RuntimeError):
 
 def _npu_available() -> bool:
     """True when torch_npu imports and reports a device. Never raises."""
+    import torch
     try:
         importlib.import_module("torch_npu")
     except Exception:  # ImportError, or CANN libraries missing at import time
@@ -26,6 +33,7 @@ def _npu_available() -> bool:
 
 def resolve_device(name: str) -> torch.device:
     """Map --device to a torch.device; 'auto' prefers npu, then cuda, then cpu."""
+    import torch
     if name not in DEVICE_CHOICES:
         raise ValueError(f"device: must be one of {', '.join(DEVICE_CHOICES)}, got {name!r}")
     if name == "auto":
@@ -47,15 +55,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {name!r}") from None
+    import torch
+    if name not in DTYPE_CHOICES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    return getattr(torch, name)
 
 
 def backend(device: torch.device):
     """The torch backend module (torch.cuda, torch.npu) owning streams and events of `device`,
     or None for cpu, where copies are synchronous."""
+    import torch
     if device.type == "cpu":
         return None
     module = getattr(torch, device.type, None)

@@ -10,6 +10,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+class ServiceUnreachableError(RuntimeError):
+    """A service that did not answer, or did not report SERVING, in time."""
+
+
 def wait_serving(channel: grpc.Channel, timeout_s: float,
                  check: Callable[[], None] = lambda: None) -> bool:
     """Poll the channel's health service until SERVING (True) or `timeout_s` passes (False).

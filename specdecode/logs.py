@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import math
+import os
 
 from opentelemetry import trace
 
@@ -69,9 +70,16 @@ class TextFormatter(logging.Formatter):
 
 
 def configure_logging(service: str, fmt: str = "json", level: int = logging.INFO) -> None:
-    """Replace the root logger's handlers with one stderr handler in `fmt` (json | text)."""
+    """Replace the root logger's handlers with one stderr handler in `fmt` (json | text).
+
+    Progress bars (model conversion and loading, drawn by transformers and huggingface_hub
+    on stderr) are turned off in JSON mode, where they would break the stream of JSON lines;
+    in text mode they stay on stderr. Call this before transformers is imported: both read
+    the setting at import."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format: must be json or text, got {fmt!r}")
+    if fmt == "json":
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     handler = logging.StreamHandler()
     handler.addFilter(TraceContextFilter())
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())

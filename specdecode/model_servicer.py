@@ -23,6 +23,10 @@ class ModelServicer(Deferred):
         self.model = ModelAccess()
         self.limits = limits
 
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
     def _core(self):
         """The proposer or scorer this servicer fronts."""
         raise NotImplementedError

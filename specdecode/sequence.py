@@ -27,6 +27,23 @@ class InvalidRequestError(ValueError):
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
 
 
+def validate_token_ids(prompt: list[TokenId], output: list[TokenId], vocab_size: int,
+                       max_model_len: int, field: str) -> None:
+    """The one check of a sequence's token ids, for the public API's prompts and the
+    services' sequences alike: a prompt, ids in the vocabulary, fewer than max_model_len.
+    InvalidRequestError names `field` (`field.token_ids` for ids outside the vocabulary)."""
+    if not prompt:
+        raise InvalidRequestError(field, "needs at least one prompt token")
+    bad = [t for t in (*prompt, *output) if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"{field}.token_ids",
+                                  f"ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    length = len(prompt) + len(output)
+    if length >= max_model_len:
+        raise InvalidRequestError(
+            field, f"{length} tokens; the model allows fewer than {max_model_len}")
+
+
 @dataclass
 class SamplingParams:
     """How one request samples. temperature 0 means greedy.
@@ -174,18 +191,8 @@ class ExecuteModelRequest:
             where = f"seq_group_metadata_list[{i}]"
             if len(sg.seq_data) != 1:
                 raise InvalidRequestError(f"{where}.seq_data", "must hold exactly one sequence")
-            data = sg.data
-            if not data.prompt_token_ids:
-                raise InvalidRequestError(f"{where}.prompt_token_ids", "must not be empty")
-            bad = [t for t in data.get_token_ids() if not 0 <= t < vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"{where}.token_ids",
-                    f"ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-            if data.get_len() >= max_model_len:
-                raise InvalidRequestError(
-                    f"{where}.token_ids",
-                    f"length {data.get_len()} is at or over the max model length {max_model_len}")
+            validate_token_ids(sg.data.prompt_token_ids, sg.data.output_token_ids, vocab_size,
+                               max_model_len, where)
             sg.sampling_params.validate(vocab_size)
 
 

@@ -114,6 +114,7 @@ class Deferred:
     start): its calls get UNAVAILABLE until `attach` hands it what it serves."""
 
     loaded = False
+    model_name = ""  # the served model's name, for the metrics' model_name label
 
     def attach(self, **parts) -> None:
         vars(self).update(parts)
@@ -341,6 +342,20 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         return traced
 
 
+class ModelNameLabel:
+    """What /metrics serves: every sample of `registry` with a `model_name` label (vLLM's
+    convention), the name of the served model, set once it is loaded."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry = prometheus_client.REGISTRY):
+        self.registry, self.model_name = registry, ""
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels})
+                              for s in family.samples]
+            yield family
+
+
 class GrpcServer:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection, and
     server spans (see ServerTracing; `start_traces` is False for the internal services)."""
@@ -370,6 +385,7 @@ class GrpcServer:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # taken between the check and here
             raise PortInUseError(f"--port {address} is not available") from None
+        self.metrics = ModelNameLabel()
         self._stopping = asyncio.Event()
 
     async def _set_status(self, status) -> None:
@@ -382,7 +398,10 @@ class GrpcServer:
         if self.options.metrics_port:
             host = self.options.metrics_host or self.options.host
             try:
-                prometheus_client.start_http_server(self.options.metrics_port, addr=host)
+                registry = prometheus_client.CollectorRegistry(auto_describe=False)
+                registry.register(self.metrics)
+                prometheus_client.start_http_server(self.options.metrics_port, addr=host,
+                                                    registry=registry)
             except OSError as exc:
                 await self.server.stop(None)
                 raise PortInUseError(f"--metrics-port {host}:{self.options.metrics_port} is "
@@ -457,6 +476,7 @@ async def serve_deferred(options: ServerOptions, service_module, add, servicer: 
     except BaseException:
         await asyncio.gather(server.server.stop(None), *(c.stop() for c in started))
         raise
+    server.metrics.model_name = servicer.model_name
     await server.set_serving()
     if after_serving is not None:
         after_serving(server)

@@ -132,8 +132,11 @@ class RequestSpan:
                  tracer_name: str = "specdecode.orchestrator"):
         self.span = tracer(tracer_name).start_span(name, attributes=attributes,
                                                    start_time=start_time_ns)
-        valid = self.span.get_span_context().is_valid
-        self.context = trace.set_span_in_context(self.span) if valid else None
+        sc = self.span.get_span_context()
+        self.context = trace.set_span_in_context(self.span) if sc.is_valid else None
+        # A Prometheus exemplar linking a latency sample to this trace (sampled spans only).
+        self.exemplar = ({"trace_id": format(sc.trace_id, "032x")}
+                         if sc.is_valid and sc.trace_flags.sampled else None)
         self._ended = False
 
     def end(self, attributes: Mapping[str, Any] | None = None,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import urllib.request
+
 import pytest
 import torch
 
@@ -61,3 +64,17 @@ def tiny_model_dirs(tmp_path_factory, target_model, draft_model):
     build_tiny_model(TinyModelSpec(seed=3, vocab_size=300, num_layers=1)).save_pretrained(
         dirs["bad_draft"])
     return {k: str(v) for k, v in dirs.items()}
+
+
+MODEL_NAME_LABEL = re.compile(r'model_name="[^"]*",?')
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """`name{labels}` -> value of the specdecode_* samples at a /metrics endpoint. Every
+    sample must carry a model_name label; the keys leave it out."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for m in re.finditer(r"^(specdecode_\S+) (\S+)$", body, re.M):
+        assert 'model_name="' in m.group(1), m.group(1)
+        out[MODEL_NAME_LABEL.sub("", m.group(1)).replace("{}", "")] = float(m.group(2))
+    return out

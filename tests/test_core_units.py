@@ -57,8 +57,14 @@ def test_runner_evicts_least_recent(target_model):
 def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], k=3, n_min=1, n_max=3) == [9, 1, 2]
     assert ngram_lookup([1, 2, 3, 4], k=3, n_min=1, n_max=3) == []
-    # The latest earlier match wins; short tails give ragged proposals.
-    assert ngram_lookup([5, 1, 5, 2, 5], k=4, n_min=1, n_max=1) == [2, 5]
+    # As in vLLM, the earliest match of the longest n-gram wins (the latest is an option);
+    # short tails give ragged proposals.
+    assert ngram_lookup([5, 1, 5, 2, 5], k=4, n_min=1, n_max=1) == [1, 5, 2, 5]
+    assert ngram_lookup([5, 1, 5, 2, 5], k=4, n_min=1, n_max=1, match="latest") == [2, 5]
+    # The longest n-gram first: [2, 3] recurs once, [3] twice.
+    assert ngram_lookup([3, 7, 2, 3, 8, 2, 3], k=2, n_min=1, n_max=2) == [8, 2]
+    # The suffix never matches itself.
+    assert ngram_lookup([4, 4], k=2, n_min=1, n_max=2) == [4]
 
 
 def test_ngram_proposer_skips_prompts_and_respects_max_len():
@@ -123,10 +129,10 @@ def test_execute_model_request_validation():
         ExecuteModelRequest([sg], num_lookahead_slots=-1).validate(10, 100)
     with pytest.raises(InvalidRequestError, match="token_ids"):
         ExecuteModelRequest([sg]).validate(vocab_size=3, max_model_len=100)
-    with pytest.raises(InvalidRequestError, match="max model length"):
+    with pytest.raises(InvalidRequestError, match="allows fewer than 3"):
         ExecuteModelRequest([sg]).validate(vocab_size=10, max_model_len=3)
     empty = SequenceGroupMetadata("r", True, {0: SequenceData([])}, SamplingParams())
-    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+    with pytest.raises(InvalidRequestError, match="prompt token"):
         ExecuteModelRequest([empty]).validate(10, 100)
 
 

@@ -29,6 +29,7 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
                                  SequenceGroupMetadata)
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 from specdecode_stack.local import LocalStack, StackConfig, free_port, wait_process_serving
+from tests.conftest import scrape_metrics
 
 PROMPT = [5, 17, 99, 3]
 MAX_TOKENS = 24
@@ -100,11 +101,9 @@ def spans_of(receiver: Receiver) -> list[Span]:
     return out
 
 
-def scrape(port: int) -> dict[str, float]:
-    """`name{labels}` -> value, from a /metrics endpoint."""
+def model_names(port: int) -> set[str]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^(specdecode_\S+) (\S+)$", body, re.M)}
+    return set(re.findall(r'model_name="([^"]*)"', body))
 
 
 @dataclass
@@ -114,6 +113,7 @@ class Run:
     metrics: dict[str, dict[str, float]]  # role -> scraped samples
     otlp_metrics: list
     exit_codes: dict
+    model_names: dict[str, set[str]]  # role -> model_name label values on its /metrics
 
     def named(self, name: str, service: str | None = None) -> list[Span]:
         return [s for s in self.spans if s.name == name and service in (None, s.service)]
@@ -165,11 +165,12 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
                 with pytest.raises(grpc.RpcError) as err:  # bad input, counted by its code
                     generate(client, untraced, max_tokens=-1)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        metrics = {role: scrape(port) for role, port in stack.metrics_ports.items()}
+        metrics = {role: scrape_metrics(port) for role, port in stack.metrics_ports.items()}
+        names = {role: model_names(port) for role, port in stack.metrics_ports.items()}
     finally:
         codes = stack.stop()
         receiver.server.stop(None)
-    return Run(result, spans_of(receiver), metrics, receiver.metrics, codes)
+    return Run(result, spans_of(receiver), metrics, receiver.metrics, codes, names)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,8 @@ def test_client_spans_parent_the_services_server_spans(run, service, method, rol
     assert all(parent_phase[c.parent].name in ("propose", "score") for c in clients)
     for c in clients:
         assert c.attributes["rpc.system"] == "grpc" and c.attributes["rpc.method"] == method
+        assert c.attributes["server.address"] == "127.0.0.1"
+        assert isinstance(c.attributes["server.port"], int) and c.attributes["server.port"] > 0
         assert c.attributes["specdecode.wire.bytes_sent"] > 0
         assert c.attributes["rpc.grpc.status_code"] == 0
     for s in servers:
@@ -282,13 +285,31 @@ def test_request_span_attributes(run):
     assert a["specdecode.acceptance_rate"] == pytest.approx(usage.acceptance_rate)
     assert a["specdecode.finish_reason"] == "length"
     assert a["specdecode.steps"] == usage.steps
+    # OpenTelemetry GenAI semantic conventions, exported to the OTLP receiver.
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.request.model"] == "target"  # the scorer's model directory
+    assert a["gen_ai.request.max_tokens"] == MAX_TOKENS
+    assert a["gen_ai.request.temperature"] == 0.0 and a["gen_ai.request.top_p"] == 1.0
+    assert "gen_ai.request.seed" not in a and "gen_ai.request.top_k" not in a  # not asked
+    assert a["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert a["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert a["gen_ai.response.finish_reasons"] == ["length"]
+    assert 0 < a["gen_ai.server.time_to_first_token"] < 120
+    assert 0 < a["gen_ai.server.time_per_output_token"] < a["gen_ai.server.time_to_first_token"] * 10
     assert all(s.status != trace_pb2.Status.STATUS_CODE_ERROR for s in run.spans)
 
 
 # -- metrics --------------------------------------------------------------------------------
 
+def test_every_metric_carries_the_model_name(run):
+    """scrape_metrics checks that every sample has a model_name label; here, its value."""
+    assert run.model_names == {"orchestrator": {"target"}, "scorer": {"target"},
+                               "proposer": {"draft"}}
+
+
 def test_orchestrator_metrics_match_the_run(run):
     m, usage = run.metrics["orchestrator"], run.result.usage
+    assert m["specdecode_waiting_requests"] == 0
     assert m["specdecode_draft_tokens_total"] == usage.draft_tokens
     accepted = m["specdecode_accepted_tokens_total"]  # vLLM 0.4.2's meaning
     assert usage.accepted_tokens <= accepted <= usage.draft_tokens
@@ -485,3 +506,18 @@ def test_dashboard_queries_only_metrics_the_services_export(run):
     for topic in ("acceptance", "efficiency", "tokens / s", "latency", "step time split",
                   "kv cache hit rate"):
         assert topic in titles, topic
+
+
+def test_dashboard_filters_by_namespace_instance_and_model_and_shows_exemplars():
+    from pathlib import Path
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "dashboards" /
+                            "specdecode.json").read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"namespace", "instance", "model"} <= variables
+    targets = [t for p in dashboard["panels"] for t in p.get("targets", [])]
+    selector = '{namespace=~"$namespace", instance=~"$instance", model_name=~"$model"}'
+    for t in targets:
+        names = re.findall(r"\bspecdecode_[a-z0-9_]+", t["expr"])
+        assert names and t["expr"].count(selector) == len(names), t["expr"]
+    latency = [t for t in targets if "_bucket" in t["expr"]]
+    assert latency and all(t.get("exemplar") for t in latency)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from orchestrator.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig, free_port
-from tests.conftest import reference_greedy
+from tests.conftest import reference_greedy, scrape_metrics
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42],
            [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [200, 100, 50], [9] * 20, [3, 1, 4, 1, 5, 9, 2, 6],
@@ -84,10 +83,7 @@ def test_concurrent_streams_are_batched_and_exact(stack, expected):
 
 def scrape_steps(stack) -> int:
     """The orchestrator's step counter, from its /metrics endpoint."""
-    import urllib.request
-    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
-    match = re.search(r"^specdecode_steps_total (\S+)$", body, re.M)
-    return int(float(match.group(1)))
+    return int(scrape_metrics(stack.metrics_ports["orchestrator"])["specdecode_steps_total"])
 
 
 def test_health_and_reflection(stack):
@@ -213,16 +209,11 @@ def test_unreachable_service_at_start_is_a_clear_message():
 def test_cancelled_stream_frees_its_sequence_at_once(stack):
     """A client that cancels mid-stream: the orchestrator drops the sequence and both
     services release its KV cache, without waiting for another step."""
-    import urllib.request
-
     def gauge(role: str, name: str) -> float:
-        body = urllib.request.urlopen(
-            f"http://127.0.0.1:{stack.metrics_ports[role]}/metrics").read().decode()
-        return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", body, re.M).group(1))
+        return scrape_metrics(stack.metrics_ports[role]).get(name, 0.0)
 
     cancelled = 'specdecode_requests_total{outcome="cancelled"}'
-    before = gauge("orchestrator", cancelled) if cancelled in urllib.request.urlopen(
-        f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode() else 0
+    before = gauge("orchestrator", cancelled)
     with SpecDecodeClient(stack.address) as client:
         stream = client.stream(PROMPTS[2], max_tokens=250)  # ~60 steps: seconds of work
         next(stream)
