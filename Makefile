@@ -33,4 +33,5 @@ test-slow: tools
 	$(VENV)/bin/pytest -q -m slow
 
 bench: setup
+	$(PIP) -e '.[test,bench]'
 	$(PY) bench/engine_bench.py

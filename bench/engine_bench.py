@@ -72,17 +72,29 @@ def engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
 
 
 def tokens_per_second(target, draft, scoring, k, prompts, batch, max_tokens) -> dict:
+    """One batch to completion: tokens/s, acceptance, steps, acceptance by draft position and
+    the mean step time split (from the engine's step stats)."""
     eng = engine(target, draft, scoring, k)
-    reqs = [Request(f"r{i}", prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens))
-            for i in range(batch)]
+    for i in range(batch):
+        eng.add_request(Request(f"r{i}", prompts[i % len(prompts)],
+                                SamplingParams(max_tokens=max_tokens)))
+    tokens, steps = 0, []
     start = time.perf_counter()
-    done = eng.generate(reqs)
+    while eng.has_unfinished():
+        tokens += sum(len(out.new_token_ids) for out in eng.step())
+        steps.append(eng.last_step)
     seconds = time.perf_counter() - start
-    stats = [s.stats for s in done.values()]
-    draft_tokens = sum(s.draft_tokens for s in stats)
-    return {"tokens_per_s": sum(len(s.output_token_ids) for s in done.values()) / seconds,
-            "acceptance": sum(s.accepted_tokens for s in stats) / draft_tokens if draft_tokens else None,
-            "steps": max(s.steps for s in stats)}
+    draft_tokens = sum(s.draft_tokens for s in steps)
+    by_position = [sum(s.accepted_by_position[j] for s in steps if j < s.k) for j in range(k)]
+    split = {"propose": sum(s.propose_s for s in steps), "score": sum(s.score_s for s in steps),
+             "verify": sum(s.verify_s for s in steps)}
+    split["overhead"] = sum(s.total_s for s in steps) - sum(split.values())
+    return {"tokens_per_s": tokens / seconds,
+            "acceptance": sum(s.accepted_tokens for s in steps) / draft_tokens
+            if draft_tokens else None,
+            "steps": len(steps), "accepted_by_position": by_position,
+            "spec_sequences": sum(s.spec_sequences for s in steps),
+            "step_ms": {p: 1000 * v / len(steps) for p, v in split.items()}}
 
 
 def scoring_call_ms(target, scoring: str, B: int, k: int, context: int) -> float:
@@ -115,9 +127,13 @@ def sync() -> None:
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--ks", default="4", show_default=True, help="Draft lengths to decode with.")
+@click.option("--batches", default="1,4", show_default=True, help="Batch sizes to decode.")
 @click.option("--out", default="bench/results/engine.json", show_default=True)
-def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: str,
-         out: str) -> None:
+@click.option("--plots", "plot_dir", default="bench/results", show_default=True,
+              help="Directory for the PNG plots (engine_<model>_*.png).")
+def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: str, ks: str,
+         batches: str, out: str, plot_dir: str) -> None:
     global DEVICE
     DEVICE = resolve_device(device)
     console = Console(width=160)
@@ -126,9 +142,9 @@ def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: st
         target, draft, prompts = models(name, resolve_dtype(dtype))
         proposer = {"tiny": "1-layer random draft", "smollm2": "n-gram",
                     "random-1b": "draft = target"}[name]
-        decode_cfgs = [(scoring, k, batch) for batch in (1, 4)
-                       for scoring, k in [("target-only", 0), ("batch-expansion", 4),
-                                          ("multi-query", 4)]]
+        decode_cfgs = [(scoring, k, batch) for batch in map(int, batches.split(","))
+                       for scoring, k in [("target-only", 0)] + [
+                           (s, k) for s in SCORING_METHODS for k in map(int, ks.split(","))]]
         samples = {cfg: [] for cfg in decode_cfgs}
         for _ in range(repeats):
             for scoring, k, batch in decode_cfgs:
@@ -145,7 +161,11 @@ def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: st
             base = statistics.median(r["tokens_per_s"] for r in samples[("target-only", 0, batch)])
             acc = runs[0]["acceptance"]
             row = {"model": name, "batch": batch, "mode": scoring, "k": k, "tokens_per_s": tps,
-                   "speedup": tps / base, "acceptance": acc, "steps": runs[0]["steps"]}
+                   "speedup": tps / base, "acceptance": acc, "steps": runs[0]["steps"],
+                   "accepted_by_position": runs[0]["accepted_by_position"],
+                   "spec_sequences": runs[0]["spec_sequences"],
+                   "step_ms": {p: statistics.median(r["step_ms"][p] for r in runs)
+                               for p in runs[0]["step_ms"]}}
             results["decode"].append(row)
             table.add_row(str(batch), scoring, str(k), f"{tps:.1f}", f"{tps / base:.2f}x",
                           "-" if acc is None else f"{acc:.2f}", str(row["steps"]))
@@ -170,6 +190,12 @@ def main(model_names: str, repeats: int, max_tokens: int, device: str, dtype: st
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=2))
     console.print(f"wrote {out}")
+    import plots  # matplotlib: the bench extra
+    for name in model_names.split(","):
+        for plot in ("speedup_by_k", "acceptance_by_position", "step_time_split"):
+            path = Path(plot_dir) / f"engine_{name}_{plot}.png"
+            getattr(plots, plot)(results["decode"], name, path)
+            console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def tiny_model_dirs(tmp_path_factory, target_model, draft_model):
     return {k: str(v) for k, v in dirs.items()}
 
 
-MODEL_NAME_LABEL = re.compile(r'model_name="[^"]*",?')
+MODEL_NAME_LABEL = re.compile(r'model_name="[^"]*"')
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
@@ -76,5 +76,7 @@ def scrape_metrics(port: int) -> dict[str, float]:
     out = {}
     for m in re.finditer(r"^(specdecode_\S+) (\S+)$", body, re.M):
         assert 'model_name="' in m.group(1), m.group(1)
-        out[MODEL_NAME_LABEL.sub("", m.group(1)).replace("{}", "")] = float(m.group(2))
+        key = MODEL_NAME_LABEL.sub("", m.group(1))
+        key = key.replace("{,", "{").replace(",}", "}").replace(",,", ",").replace("{}", "")
+        out[key] = float(m.group(2))
     return out

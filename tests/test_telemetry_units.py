@@ -66,6 +66,13 @@ def test_exporter_choice():
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
         otel_setup.configure("scorer", env={**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
                             set_global=False)
+    # Both protocols the chart offers (otel.protocol) have their exporter installed.
+    for protocol, module in (("grpc", "grpc"), ("http/protobuf", "http")):
+        env = {**ENDPOINT, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}
+        for signal in ("TRACES", "METRICS"):
+            exporter = otel_setup._otlp_exporter(env, signal)
+            assert type(exporter).__module__.startswith(
+                f"opentelemetry.exporter.otlp.proto.{module}."), (protocol, signal)
 
 
 def test_configured_provider_resource_and_console(capfd):
