@@ -1,5 +1,5 @@
-"""Deadlines of the orchestrator's internal calls (DESIGN invariant 6: no request waits on a
-dead peer).
+"""Deadlines of the orchestrator's internal calls (docs/design.md, invariant 6: no request
+waits on a dead peer).
 
 Every proposer and scorer call has a timeout. Unless an option fixes it, the timeout is sized
 from the step's work: a floor plus a safety factor times the tokens the call asks for at the

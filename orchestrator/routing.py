@@ -4,7 +4,7 @@ A sequence goes to the replica that owns its id on a consistent-hash ring of the
 that are up, so its KV cache stays on one replica from step to step. When a replica leaves
 the ring only its own sequences move (to the next owner on the ring), and when it comes back
 it takes the same share again. The output never depends on the replica: every request
-carries full token ids and a replica recomputes what it does not hold (DESIGN invariant 3).
+carries full token ids and a replica recomputes what it does not hold (docs/design.md, invariant 3).
 """
 
 from __future__ import annotations
