@@ -4,8 +4,10 @@ together (docs/design.md, invariant 4: compatibility is checked, not assumed).""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from specdecode.cost_model import ForwardCosts
+if TYPE_CHECKING:  # cost_model loads torch; the command line's client path must not
+    from specdecode.cost_model import ForwardCosts
 
 
 class IncompatibleModelsError(ValueError):

@@ -1,4 +1,4 @@
-"""Faults and scale-out over real processes on 127.0.0.1 (DESIGN invariant 6): a proposer
+"""Faults and scale-out over real processes on 127.0.0.1 (docs/design.md, invariant 6): a proposer
 killed mid-stream, scorer replicas killed and restarted, a scorer gone for good, two
 orchestrators sharing a scorer, SIGTERM past the grace, and a soak. Every output is compared
 token for token with the target model's own greedy decoding.
