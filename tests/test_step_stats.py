@@ -7,6 +7,7 @@ import torch
 
 from orchestrator.engine import Request, SpecDecodeEngine, StepStats
 from orchestrator.metrics import StepMetrics
+from orchestrator.spec_metrics import AsyncMetricsCollector
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.sequence import ExecuteModelRequest, SamplingParams
@@ -72,5 +73,8 @@ def test_one_step_stats_feed_prometheus_and_the_vllm_collector():
     assert (totals.draft_tokens, totals.accepted_tokens, totals.emitted_tokens) == (6, 4, 4)
     assert totals.draft_acceptance_rate == 4 / 6
     assert totals.system_efficiency == 4 / (2 * (K + 1))
-    collected = metrics.collector.maybe_collect_rejsample_metrics(K)
+    collector = AsyncMetricsCollector(totals, collect_interval_s=0.0)  # vLLM 0.4.2's
+    collector.init_tensors(rank=0)
+    assert collector.maybe_collect_rejsample_metrics(K) is None  # takes the snapshot
+    collected = collector.maybe_collect_rejsample_metrics(K)
     assert (collected.draft_tokens, collected.accepted_tokens, collected.emitted_tokens) == (6, 4, 4)
