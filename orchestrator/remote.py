@@ -27,10 +27,6 @@ from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_servic
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
 
-class ServiceUnreachableError(RuntimeError):
-    pass
-
-
 # Keepalive pings find a peer that vanished without closing its connections (a host that
 # froze or dropped off the network) in KEEPALIVE_TIME + KEEPALIVE_TIMEOUT seconds; the
 # servers permit pings this often (specdecode.server.KEEPALIVE_SERVER_OPTIONS).

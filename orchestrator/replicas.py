@@ -26,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge
 
-from orchestrator.remote import ServiceSecurity, ServiceUnreachableError, open_channel
+from orchestrator.remote import ServiceSecurity, open_channel
 from orchestrator.routing import HashRing, resolve
+from specdecode.health import UNREACHABLE, ServiceUnreachableError, health_status
 from specdecode.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -63,19 +64,6 @@ class Replica:
     failures: int = 0  # failed calls in a row
     retry_at: float = 0.0  # time.monotonic() before which it stays down
     verified: bool = False  # its model info matched the service's
-
-
-UNREACHABLE = -1
-
-
-def health_status(channel: grpc.Channel, timeout_s: float) -> int | None:
-    """The server's grpc.health.v1 status; UNREACHABLE when its connection fails, None
-    when it does not answer in time."""
-    try:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout_s).status
-    except grpc.RpcError as exc:
-        return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else UNREACHABLE
 
 
 class ReplicaSet:

@@ -18,10 +18,10 @@ import grpc
 from rich.console import Console
 
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
-from orchestrator.remote import ServiceUnreachableError
+from specdecode.health import ServiceUnreachableError
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.auth import read_tokens
-from specdecode.device import DEVICE_CHOICES, DTYPES, DeviceUnavailableError
+from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES, DeviceUnavailableError
 from specdecode.limits import ServiceLimits
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.model_loading import ModelOptions, parse_size
@@ -79,7 +79,7 @@ def server_options(default_port: int):
 def model_options(fn):
     for o in reversed([
         opt("--device", default="auto", type=click.Choice(DEVICE_CHOICES)),
-        opt("--dtype", default="float32", type=click.Choice(list(DTYPES))),
+        opt("--dtype", default="float32", type=click.Choice(DTYPE_CHOICES)),
         opt("--max-model-len", default=None, type=int,
             help="Cap on tokens per sequence (default: the model's own limit, or what the KV "
                  "cache budget holds if less)."),
@@ -169,6 +169,7 @@ def _run_server(role: str, run, trace_console: bool = False, log_format: str = "
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specdecode", prog_name="specdecode")
 def main() -> None:
     """specdecode: speculative decoding as a gRPC proposer/scorer pair and an orchestrator."""
 
@@ -331,7 +332,7 @@ def stack_options(fn):
                      help="Draft model directory or .gguf, or 'ngram'."),
         click.option("--device", default="auto", type=click.Choice(DEVICE_CHOICES),
                      show_default=True),
-        click.option("--dtype", default="float32", type=click.Choice(list(DTYPES)),
+        click.option("--dtype", default="float32", type=click.Choice(DTYPE_CHOICES),
                      show_default=True),
         click.option("--scoring", default="auto", type=click.Choice(SCORING),
                      show_default=True),
