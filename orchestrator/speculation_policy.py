@@ -97,8 +97,8 @@ class SpeculationPolicy:
         """scorer_costs / draft_costs: measured forward costs (ModelInfo.forward_cost);
         draft_model False: an n-gram proposer (no forward cost); scoring: the scorer's
         method (auto | multi-query | batch-expansion); prior: the acceptance assumed before
-        any is observed; measure_overheads: add the time each step spends outside the predicted forwards
-        (RPCs, sampling), learned from earlier steps."""
+        any is observed; measure_overheads: add the time each step spends outside the
+        predicted forwards (RPCs, sampling), learned from earlier steps."""
         self.k_max = k_max
         self.scorer_costs, self.draft_costs, self.draft_model = scorer_costs, draft_costs, draft_model
         self.adaptive = adaptive and scorer_costs is not None and (
@@ -158,11 +158,12 @@ class SpeculationPolicy:
             scoring = min(("multi-query", "batch-expansion"),
                           key=lambda m: verify_seconds(self.scorer_costs, m, ks))
         verify = verify_seconds(self.scorer_costs, scoring, ks)
-        # An n-gram proposer may find nothing: then the row is scored as a decode.
-        p_any = 1.0
+        # An n-gram proposer may find nothing: when no row has a proposal, the step's
+        # scoring is a decode.
+        p_none = 1.0
         for r, k in zip(rates, ks):
-            p_any *= 1.0 - (r if k else 0.0)
-        return scoring, seconds + decode + (verify - decode) * (1.0 - p_any)
+            p_none *= 1.0 - (r if k else 0.0)
+        return scoring, seconds + decode + (verify - decode) * (1.0 - p_none)
 
     # -- learning ----------------------------------------------------------------------------
 
