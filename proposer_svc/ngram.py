@@ -8,32 +8,24 @@ from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer
 from specdecode.sequence import ExecuteModelRequest
 
 
-MATCHES = ("earliest", "latest")
-
-
-def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int,
-                 match: str = "earliest") -> list[int]:
-    """Up to k tokens that followed an earlier occurrence of the longest suffix n-gram
-    (n from n_max down to n_min): its earliest occurrence, as vLLM proposes, or its latest;
-    never the suffix itself. [] when nothing matches."""
+def ngram_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the earliest occurrence of the longest suffix n-gram
+    (n from n_max down to n_min), as vLLM proposes; never the suffix itself. [] when
+    nothing matches. (The latest occurrence accepted exactly as many tokens on SmolLM2:
+    docs/benchmarks.md.)"""
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         suffix = tokens[-n:]
-        starts = range(len(tokens) - n)  # every start before the suffix's own
-        for start in (starts if match == "earliest" else reversed(starts)):
+        for start in range(len(tokens) - n):  # every start before the suffix's own
             if tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k]
     return []
 
 
 class NgramProposer(SpeculativeProposer):
-    def __init__(self, max_model_len: int, n_min: int = 2, n_max: int = 4,
-                 match: str = "earliest"):
+    def __init__(self, max_model_len: int, n_min: int = 2, n_max: int = 4):
         if not 1 <= n_min <= n_max:
             raise ValueError(f"ngram sizes: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        if match not in MATCHES:
-            raise ValueError(f"ngram match: must be one of {', '.join(MATCHES)}, got {match!r}")
         self.max_model_len, self.n_min, self.n_max = max_model_len, n_min, n_max
-        self.match = match
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         k = execute_model_req.num_lookahead_slots
@@ -41,7 +33,6 @@ class NgramProposer(SpeculativeProposer):
         for sg in execute_model_req.seq_group_metadata_list:
             k_seq = speculation_len(sg, k, self.max_model_len)
             tokens = sg.data.get_token_ids()
-            proposals.append(ngram_lookup(tokens, k_seq, self.n_min, self.n_max, self.match)
-                             if k_seq else [])
+            proposals.append(ngram_lookup(tokens, k_seq, self.n_min, self.n_max) if k_seq else [])
         ids, lens = pack_proposals(proposals, k)
         return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=None, proposal_lens=lens)

@@ -19,7 +19,7 @@ from specdecode.worker import ModelWorker
 
 def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: int = 4,
                            device: torch.device = torch.device("cpu"),
-                           ngram_min: int = 2, ngram_match: str = "earliest",
+                           ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
                            enforce_eager: bool = False) -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
@@ -32,7 +32,7 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
     draft_costs = None
     if draft == "ngram":
-        proposer = NgramProposer(max_len, n_min=ngram_min, match=ngram_match)
+        proposer = NgramProposer(max_len, n_min=ngram_min)
     else:
         prune_lm_head(draft, draft_dir, draft_vocab_size)
         draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager)

@@ -57,10 +57,9 @@ def test_runner_evicts_least_recent(target_model):
 def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3], k=3, n_min=1, n_max=3) == [9, 1, 2]
     assert ngram_lookup([1, 2, 3, 4], k=3, n_min=1, n_max=3) == []
-    # As in vLLM, the earliest match of the longest n-gram wins (the latest is an option);
+    # As in vLLM, the earliest match of the longest n-gram wins (the latest gave [2, 5]);
     # short tails give ragged proposals.
     assert ngram_lookup([5, 1, 5, 2, 5], k=4, n_min=1, n_max=1) == [1, 5, 2, 5]
-    assert ngram_lookup([5, 1, 5, 2, 5], k=4, n_min=1, n_max=1, match="latest") == [2, 5]
     # The longest n-gram first: [2, 3] recurs once, [3] twice.
     assert ngram_lookup([3, 7, 2, 3, 8, 2, 3], k=2, n_min=1, n_max=2) == [8, 2]
     # The suffix never matches itself.
