@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import grpc
@@ -19,17 +20,17 @@ from rich.console import Console
 
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
 from specdecode.health import ServiceUnreachableError
-from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.auth import read_tokens
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES, DeviceUnavailableError
-from specdecode.limits import ServiceLimits
 from specdecode.model_info import IncompatibleModelsError
-from specdecode.model_loading import ModelOptions, parse_size
-from specdecode.server import ServerOptions
 from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
+
+if TYPE_CHECKING:  # the client path (generate, --help) must not import torch: docs/design.md
+    from specdecode.server import ServerOptions
+    from specdecode_stack.local import LocalStack
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   OSError, ValueError)  # OSError: a file or port
@@ -97,6 +98,7 @@ def model_options(fn):
 
 def _size(ctx, param, value) -> int | None:
     try:
+        from specdecode.model_loading import parse_size
         return None if value is None else parse_size(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
@@ -181,6 +183,7 @@ def serve() -> None:
 
 def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_host, tls_cert,
             tls_key, tls_ca, auth_token_file, reflection, **extra) -> ServerOptions:
+    from specdecode.server import ServerOptions
     if tls_ca and not tls_cert:
         raise click.UsageError("--tls-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
     return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb,
@@ -206,6 +209,8 @@ def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cac
                    max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
+    from specdecode.limits import ServiceLimits
+    from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
@@ -228,6 +233,8 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
                  max_batch_tokens, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
+    from specdecode.limits import ServiceLimits
+    from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
@@ -350,6 +357,7 @@ def stack_options(fn):
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
            speculation, draft_vocab_size, port) -> LocalStack:
+    from specdecode_stack.local import LocalStack, StackConfig
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
                                   num_speculative_tokens=num_speculative_tokens,

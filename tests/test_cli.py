@@ -18,6 +18,17 @@ def test_version_prints_the_package_version():
     assert out.stdout.strip() == f"specdecode, version {importlib.metadata.version('specdecode')}"
 
 
+def test_generate_help_loads_neither_torch_nor_transformers():
+    """The client path is light: `generate` and its --help import no model code."""
+    code = ("import sys\nfrom specdecode_stack.cli import main\ntry:\n"
+            "    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--prompt" in out.stdout or "PROMPT" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_metrics_port_in_use_is_a_one_line_error():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
