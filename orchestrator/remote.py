@@ -109,11 +109,14 @@ class _Remote:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peer = address
+        host, _, port = address.rpartition(":")  # OpenTelemetry: server.address, server.port apart
+        self._peer_attributes = ({"server.address": host.strip("[]"), "server.port": int(port)}
+                                 if port.isdigit() else {"server.address": address})
 
     def _call(self, name: str, request, timeout: float | None = None):
         with tracing.child_span(f"{self.service}/{name}", {
                 "rpc.system": "grpc", "rpc.service": self.service, "rpc.method": name,
-                "server.address": self.peer}, kind=SpanKind.CLIENT,
+                **self._peer_attributes}, kind=SpanKind.CLIENT,
                 tracer_name="specdecode.client") as span:
             try:
                 response = getattr(self.stub, name)(

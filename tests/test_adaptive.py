@@ -287,5 +287,6 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
         assert info.scoring_method == "auto"
         body = urllib.request.urlopen(
             f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
-        count = float(re.search(r"^specdecode_chosen_k_count (\S+)$", body, re.M).group(1))
+        count = float(re.search(r"^specdecode_chosen_k_count(?:\{[^}]*\})? (\S+)$", body,
+                                    re.M).group(1))  # labels: model_name
         assert count >= len(PROMPTS) * 2  # one per sequence-step, prompt steps included
