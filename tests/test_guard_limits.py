@@ -190,6 +190,10 @@ def test_issue_table_rows_get_clear_statuses_fast(stack, target_model):
         assert during < 2 * base, report[-1]
 
 
+# Slow-marked (make test-slow): on a quiet machine the tiny model finishes the holding streams
+# before the fourth request arrives, so it races; it passes only under load. TODO: hold slots
+# deterministically (e.g. a paused scorer) and bring it back to CI.
+@pytest.mark.slow
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(stack):
     """--max-running-requests 2 --max-queued-requests 1: a fourth request is refused."""
     clients = [SpecDecodeClient(stack.address) for _ in range(4)]

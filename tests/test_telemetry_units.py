@@ -161,7 +161,9 @@ def test_step_spans_sit_in_the_request_trace(exporter, target_model, draft_model
     step_ids = {s.context.span_id for s in steps}
     for name in ("propose", "score", "rejection_sample"):
         children = by_name(spans, name)
-        assert len(children) == len(steps) and all(c.parent.span_id in step_ids for c in children)
+        # The prompt's step has nothing to propose: no proposer call, no propose span.
+        expected = len(steps) - (name == "propose")
+        assert len(children) == expected and all(c.parent.span_id in step_ids for c in children)
     assert sum(s.attributes["specdecode.accepted_tokens"] for s in steps) >= \
         done["r0"].stats.accepted_tokens  # vLLM 0.4.2's count >= the prefixes received
     assert sum(s.attributes["specdecode.draft_tokens"] for s in steps) == \
@@ -178,7 +180,8 @@ def test_step_sampling_drops_step_spans_and_their_children(exporter, target_mode
     assert len(by_name(spans, "spec_decode.step")) == kept
     for name in ("propose", "score", "rejection_sample", "batch_expansion.expand",
                  "target_model.forward", "batch_expansion.contract"):
-        assert len(by_name(spans, name)) == kept
+        # Step 0 (always kept when any is) is the prompt's: it makes no proposer call.
+        assert len(by_name(spans, name)) == (max(kept - 1, 0) if name == "propose" else kept)
     assert len(by_name(spans, "spec_decode.request")) == 1
     # Nothing from an untraced step: every other span descends from a kept step span.
     parents = {s.context.span_id: s for s in spans}
@@ -213,18 +216,18 @@ def test_unsampled_requests_make_no_step_spans(exporter, target_model, draft_mod
 def test_a_failed_step_records_the_error(exporter, target_model, draft_model):
     engine = make_engine(target_model, draft_model, "batch-expansion", 3)
 
-    def broken(req):
-        raise RuntimeError("proposer is gone")
-    engine.proposer.get_proposals = broken
+    def broken(*args, **kwargs):  # the prompt's step calls the scorer only
+        raise RuntimeError("scorer is gone")
+    engine.scorer.score_proposals = broken
     spans, requests = traced_requests([[5, 17, 99, 3]])
     engine.add_request(requests[0])
     with pytest.raises(RuntimeError):
         engine.step()
     (step,) = by_name(exporter.get_finished_spans(), "spec_decode.step")
-    (propose,) = by_name(exporter.get_finished_spans(), "propose")
-    for span in (step, propose):
+    (score,) = by_name(exporter.get_finished_spans(), "score")
+    for span in (step, score):
         assert span.status.status_code == StatusCode.ERROR
-        assert any(e.name == "exception" and "proposer is gone" in e.attributes["exception.message"]
+        assert any(e.name == "exception" and "scorer is gone" in e.attributes["exception.message"]
                    for e in span.events)
 
 
@@ -232,9 +235,9 @@ def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, dr
     from orchestrator.engine_loop import EngineLoop
     engine = make_engine(target_model, draft_model, "batch-expansion", 3)
 
-    def broken(req):
-        raise RuntimeError("proposer is gone")
-    engine.proposer.get_proposals = broken
+    def broken(*args, **kwargs):  # the prompt's step calls the scorer only
+        raise RuntimeError("scorer is gone")
+    engine.scorer.score_proposals = broken
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.addFilter(logs.TraceContextFilter())
