@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -57,7 +58,22 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: concurrent loaders see a whole directory or none
+    publish_dir(tmp, out)
+
+
+def publish_dir(tmp: Path, out: Path) -> None:
+    """Move a finished directory into place atomically; concurrent loaders see all of it or none.
+
+    Two processes converting the same file at once (a local stack starting the proposer and
+    the scorer on the default model) race here: the second rename finds `out` already there
+    and non-empty (ENOTEMPTY/EEXIST). The winner's copy is as good as ours, so ours is dropped.
+    """
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not out.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_dir(path: str | Path | None) -> Path:
