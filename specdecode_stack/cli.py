@@ -1,6 +1,11 @@
 """The `specdecode` command: serve one service, run the local stack, generate, demo.
 
-Every `serve` option can also be set as SPECDECODE_<OPTION> (e.g. SPECDECODE_PORT).
+Every option of `serve` and `generate` can also be set as SPECDECODE_<OPTION> (e.g.
+SPECDECODE_PORT, SPECDECODE_ADDRESS). Defaults shared with the local stack come from
+StackConfig.
+
+The client path (`generate`, `--help`, `--version`) imports neither torch nor transformers:
+each command imports what it runs (docs/design.md).
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import click
 import grpc
-from rich.console import Console
 
 from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
+from scorer_svc.methods import SCORING_CHOICES
 from specdecode.health import ServiceUnreachableError
 from specdecode.auth import read_tokens
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES, DeviceUnavailableError
@@ -27,15 +32,15 @@ from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
+from specdecode_stack.local import LocalStack, StackConfig
 
-if TYPE_CHECKING:  # the client path (generate, --help) must not import torch: docs/design.md
+if TYPE_CHECKING:
     from specdecode.server import ServerOptions
-    from specdecode_stack.local import LocalStack
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   OSError, ValueError)  # OSError: a file or port
-SCORING = ("auto", "batch-expansion", "multi-query")
 SPECULATION = ("adaptive", "fixed")
+DEFAULTS = StackConfig()  # the defaults `serve`, `up`, `demo` and `generate` share
 
 
 def opt(*names, **kw):
@@ -45,55 +50,41 @@ def opt(*names, **kw):
                         show_default=True, show_envvar=True, **kw)
 
 
-def server_options(default_port: int):
+def option_group(*options):
+    """One decorator for several options, listed in the order --help shows them."""
     def decorate(fn):
-        for o in reversed([
-            opt("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a container)."),
-            opt("--port", default=default_port, type=int, help="gRPC port (0 = any free port)."),
-            opt("--metrics-port", default=0, type=int,
-                help="Prometheus /metrics HTTP port (0 = off)."),
-            opt("--grace-seconds", default=20.0, type=float,
-                help="On SIGTERM, how long in-flight requests may take to finish."),
-            opt("--max-message-mb", default=64, type=int, help="Largest gRPC message, MiB."),
-            opt("--metrics-host", default=None,
-                help="Address of the /metrics endpoint (default: --host), e.g. an internal "
-                     "interface the scraper reaches."),
-            opt("--tls-cert", default=None, type=click.Path(dir_okay=False),
-                help="PEM certificate (chain): serve TLS (needs --tls-key). Re-read when the "
-                     "file changes."),
-            opt("--tls-key", default=None, type=click.Path(dir_okay=False),
-                help="PEM private key of --tls-cert."),
-            opt("--tls-ca", default=None, type=click.Path(dir_okay=False),
-                help="PEM CA: require client certificates signed by it (mutual TLS)."),
-            opt("--auth-token-file", default=None, type=click.Path(dir_okay=False),
-                help="Accept only calls with `authorization: Bearer <token>` for a token "
-                     "listed in this file (one per line; re-read when it changes). Health "
-                     "checks stay open."),
-            opt("--reflection/--no-reflection", default=True,
-                help="Serve gRPC server reflection."),
-        ]):
+        for o in reversed(options):
             fn = o(fn)
         return fn
     return decorate
 
 
-def model_options(fn):
-    for o in reversed([
-        opt("--device", default="auto", type=click.Choice(DEVICE_CHOICES)),
-        opt("--dtype", default="float32", type=click.Choice(DTYPE_CHOICES)),
-        opt("--max-model-len", default=None, type=int,
-            help="Cap on tokens per sequence (default: the model's own limit, or what the KV "
-                 "cache budget holds if less)."),
-        opt("--kv-cache-memory", default=None, callback=_size,
-            help="KV cache pool size, allocated once at start: bytes or e.g. 512MiB, 4GiB "
-                 "(default: 2GiB, or less when max-num-seqs x max-model-len needs less)."),
-        opt("--max-num-seqs", default=256, type=click.IntRange(1),
-            help="Most sequences the KV cache keeps (least recently used are evicted)."),
-        opt("--enforce-eager", is_flag=True, default=False,
-            help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
-    ]):
-        fn = o(fn)
-    return fn
+def server_options(default_port: int):
+    return option_group(
+        opt("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a container)."),
+        opt("--port", default=default_port, type=int, help="gRPC port (0 = any free port)."),
+        opt("--metrics-port", default=0, type=int,
+            help="Prometheus /metrics HTTP port (0 = off)."),
+        opt("--grace-seconds", default=20.0, type=float,
+            help="On SIGTERM, how long in-flight requests may take to finish."),
+        opt("--max-message-mb", default=64, type=int, help="Largest gRPC message, MiB."),
+        opt("--metrics-host", default=None,
+            help="Address of the /metrics endpoint (default: --host), e.g. an internal "
+                 "interface the scraper reaches."),
+        opt("--tls-cert", default=None, type=click.Path(dir_okay=False),
+            help="PEM certificate (chain): serve TLS (needs --tls-key). Re-read when the "
+                 "file changes."),
+        opt("--tls-key", default=None, type=click.Path(dir_okay=False),
+            help="PEM private key of --tls-cert."),
+        opt("--tls-ca", default=None, type=click.Path(dir_okay=False),
+            help="PEM CA: require client certificates signed by it (mutual TLS)."),
+        opt("--auth-token-file", default=None, type=click.Path(dir_okay=False),
+            help="Accept only calls with `authorization: Bearer <token>` for a token "
+                 "listed in this file (one per line; re-read when it changes). Health "
+                 "checks stay open."),
+        opt("--reflection/--no-reflection", default=True,
+            help="Serve gRPC server reflection."),
+    )
 
 
 def _size(ctx, param, value) -> int | None:
@@ -104,47 +95,54 @@ def _size(ctx, param, value) -> int | None:
         raise click.BadParameter(str(exc)) from None
 
 
-def telemetry_options(fn):
-    for o in reversed([
-        opt("--trace-console", is_flag=True, default=False,
-            help="Also print every span to stdout (tracing is otherwise configured by the "
-                 "OTEL_* environment variables, and off without them)."),
-        opt("--log-format", default="json", type=click.Choice(["json", "text"]),
-            help="Log lines on stderr: JSON objects (with trace_id/span_id) or plain text."),
-    ]):
-        fn = o(fn)
-    return fn
+model_options = option_group(
+    opt("--device", default=DEFAULTS.device, type=click.Choice(DEVICE_CHOICES)),
+    opt("--dtype", default=DEFAULTS.dtype, type=click.Choice(DTYPE_CHOICES)),
+    opt("--max-model-len", default=None, type=int,
+        help="Cap on tokens per sequence (default: the model's own limit, or what the KV "
+             "cache budget holds if less)."),
+    opt("--kv-cache-memory", default=None, callback=_size,
+        help="KV cache pool size, allocated once at start: bytes or e.g. 512MiB, 4GiB "
+             "(default: 2GiB, or less when max-num-seqs x max-model-len needs less)."),
+    opt("--max-num-seqs", default=256, type=click.IntRange(1),
+        help="Most sequences the KV cache keeps (least recently used are evicted)."),
+    opt("--enforce-eager", is_flag=True, default=False,
+        help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
+)
 
 
-def service_limit_options(fn):
-    for o in reversed([
-        opt("--max-batch-seqs", default=256, type=click.IntRange(1),
-            help="Most sequences in one call (at least the orchestrator's "
-                 "--max-running-requests)."),
-        opt("--max-speculative-tokens", default=16, type=click.IntRange(0),
-            help="Most draft tokens per sequence (k) in one call."),
-        opt("--max-batch-tokens", default=0, type=click.IntRange(0),
-            help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
-    ]):
-        fn = o(fn)
-    return fn
+telemetry_options = option_group(
+    opt("--trace-console", is_flag=True, default=False,
+        help="Also print every span to stdout (tracing is otherwise configured by the "
+             "OTEL_* environment variables, and off without them)."),
+    opt("--log-format", default="json", type=click.Choice(["json", "text"]),
+        help="Log lines on stderr: JSON objects (with trace_id/span_id) or plain text."),
+)
 
 
-def admission_options(fn):
-    for o in reversed([
-        opt("--max-prompt-tokens", default=0, type=click.IntRange(0),
-            help="Longest prompt, tokens (0 = the model length less one)."),
-        opt("--max-running-requests", default=64, type=click.IntRange(1),
-            help="Requests decoded at once; more wait in the queue."),
-        opt("--max-queued-requests", default=256, type=click.IntRange(0),
-            help="Requests waiting for a running slot; beyond that, RESOURCE_EXHAUSTED with "
-                 "a retry hint."),
-        opt("--max-num-batched-tokens", default=512, type=click.IntRange(16),
-            help="Token budget of one step: running sequences first, then prompts, split "
-                 "across steps (chunked prefill) so a long prompt never stalls other streams."),
-    ]):
-        fn = o(fn)
-    return fn
+service_limit_options = option_group(
+    opt("--max-batch-seqs", default=256, type=click.IntRange(1),
+        help="Most sequences in one call (at least the orchestrator's "
+             "--max-running-requests)."),
+    opt("--max-speculative-tokens", default=16, type=click.IntRange(0),
+        help="Most draft tokens per sequence (k) in one call."),
+    opt("--max-batch-tokens", default=0, type=click.IntRange(0),
+        help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
+)
+
+
+admission_options = option_group(
+    opt("--max-prompt-tokens", default=0, type=click.IntRange(0),
+        help="Longest prompt, tokens (0 = the model length less one)."),
+    opt("--max-running-requests", default=64, type=click.IntRange(1),
+        help="Requests decoded at once; more wait in the queue."),
+    opt("--max-queued-requests", default=256, type=click.IntRange(0),
+        help="Requests waiting for a running slot; beyond that, RESOURCE_EXHAUSTED with "
+             "a retry hint."),
+    opt("--max-num-batched-tokens", default=512, type=click.IntRange(16),
+        help="Token budget of one step: running sequences first, then prompts, split "
+             "across steps (chunked prefill) so a long prompt never stalls other streams."),
+)
 
 
 def _trace_steps(ctx, param, value) -> int:
@@ -198,8 +196,9 @@ DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequen
 
 
 @serve.command("proposer")
-@opt("--model", default="ngram", help="Draft model directory or .gguf, or 'ngram'.")
-@opt("--draft-vocab-size", default=0, type=click.IntRange(0), help=DRAFT_VOCAB_HELP)
+@opt("--model", default=DEFAULTS.draft_model, help="Draft model directory or .gguf, or 'ngram'.")
+@opt("--draft-vocab-size", default=DEFAULTS.draft_vocab_size, type=click.IntRange(0),
+     help=DRAFT_VOCAB_HELP)
 @model_options
 @service_limit_options
 @server_options(50052)
@@ -221,7 +220,7 @@ def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cac
 @serve.command("scorer")
 @opt("--model", default="default",
      help="Target model directory or .gguf ('default' = SmolLM2-135M-Instruct).")
-@opt("--scoring", default="auto", type=click.Choice(SCORING),
+@opt("--scoring", default=DEFAULTS.scoring, type=click.Choice(SCORING_CHOICES),
      help="auto: multi-query or batch expansion per call, whichever the measured forward "
           "costs say is cheaper.")
 @model_options
@@ -251,9 +250,10 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
           "(a headless Service) is one replica per address.")
 @opt("--tokenizer", default="default",
      help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
-@opt("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
+@opt("--num-speculative-tokens", default=DEFAULTS.num_speculative_tokens,
+     type=click.IntRange(0, 16),
      help="Draft tokens per step (k): the most with --speculation adaptive.")
-@opt("--speculation", default="adaptive", type=click.Choice(SPECULATION),
+@opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
      help="adaptive: k per sequence and step (0 included) from its acceptance and the "
           "services' measured forward costs; fixed: always --num-speculative-tokens.")
 @opt("--connect-timeout", default=60.0, type=float,
@@ -292,7 +292,7 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
      help="File whose first token is sent as a bearer token to the proposer and scorer "
           "(their --auth-token-file), for clusters without mutual TLS.")
 @admission_options
-@server_options(50051)
+@server_options(DEFAULTS.port)
 @telemetry_options
 def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, speculation,
                        connect_timeout,
@@ -331,33 +331,31 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
     _run_server("orchestrator", start, trace_console, log_format)
 
 
-def stack_options(fn):
-    for o in reversed([
-        click.option("--target-model", default=None,
-                     help="Target model directory or .gguf (default: SmolLM2-135M-Instruct)."),
-        click.option("--draft-model", default="ngram", show_default=True,
-                     help="Draft model directory or .gguf, or 'ngram'."),
-        click.option("--device", default="auto", type=click.Choice(DEVICE_CHOICES),
-                     show_default=True),
-        click.option("--dtype", default="float32", type=click.Choice(DTYPE_CHOICES),
-                     show_default=True),
-        click.option("--scoring", default="auto", type=click.Choice(SCORING),
-                     show_default=True),
-        click.option("--num-speculative-tokens", default=4, type=click.IntRange(0, 16),
-                     show_default=True, help="The most draft tokens per step."),
-        opt("--speculation", default="adaptive", type=click.Choice(SPECULATION),
-            help="adaptive: k per sequence and step from measured costs; fixed: always k."),
-        opt("--draft-vocab-size", default=0, type=click.IntRange(0), help=DRAFT_VOCAB_HELP),
-        click.option("--port", default=50051, type=int, show_default=True,
-                     help="The orchestrator's port (0 = any free port)."),
-    ]):
-        fn = o(fn)
-    return fn
+stack_options = option_group(
+    click.option("--target-model", default=DEFAULTS.target_model,
+                 help="Target model directory or .gguf (default: SmolLM2-135M-Instruct)."),
+    click.option("--draft-model", default=DEFAULTS.draft_model, show_default=True,
+                 help="Draft model directory or .gguf, or 'ngram'."),
+    click.option("--device", default=DEFAULTS.device, type=click.Choice(DEVICE_CHOICES),
+                 show_default=True),
+    click.option("--dtype", default=DEFAULTS.dtype, type=click.Choice(DTYPE_CHOICES),
+                 show_default=True),
+    click.option("--scoring", default=DEFAULTS.scoring, type=click.Choice(SCORING_CHOICES),
+                 show_default=True),
+    click.option("--num-speculative-tokens", default=DEFAULTS.num_speculative_tokens,
+                 type=click.IntRange(0, 16), show_default=True,
+                 help="The most draft tokens per step."),
+    opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
+        help="adaptive: k per sequence and step from measured costs; fixed: always k."),
+    opt("--draft-vocab-size", default=DEFAULTS.draft_vocab_size, type=click.IntRange(0),
+        help=DRAFT_VOCAB_HELP),
+    click.option("--port", default=DEFAULTS.port, type=int, show_default=True,
+                 help="The orchestrator's port (0 = any free port)."),
+)
 
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
            speculation, draft_vocab_size, port) -> LocalStack:
-    from specdecode_stack.local import LocalStack, StackConfig
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
                                   num_speculative_tokens=num_speculative_tokens,
@@ -412,7 +410,8 @@ def up(http_port, tls_cert, tls_key, tls_ca, auth_token_file, **kw) -> None:
 
 def _print_stream(address: str, prompt: str, as_json: bool, tls_ca: str | None = None,
                   token: str | None = None, **params) -> GenerateResult:
-    console = Console(highlight=False)
+    """Stream a generation: its text to stdout as it comes (one JSON object at the end with
+    `as_json`), then a summary line to stderr."""
     result = GenerateResult()
     start = time.perf_counter()
     with SpecDecodeClient(address, tls_ca=tls_ca, token=token) as client:
@@ -420,38 +419,43 @@ def _print_stream(address: str, prompt: str, as_json: bool, tls_ca: str | None =
             for response in client.stream(prompt, **params):
                 accumulate(result, response)
                 if not as_json:
-                    console.print(response.text, end="", markup=False)
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
         except grpc.RpcError as exc:
             click.echo(f"\nerror: {exc.code().name}: {exc.details()}", err=True)
             sys.exit(1)
     seconds = time.perf_counter() - start
-    if as_json:
-        click.echo(json.dumps(result.as_json()))
-    else:
-        u = result.usage
-        rate = u.acceptance_rate
-        console.print(f"\n[bold]{u.completion_tokens} tokens in {seconds:.2f}s "
-                      f"({u.completion_tokens / seconds:.1f} tokens/s), acceptance rate "
-                      f"{'n/a' if rate != rate else f'{rate:.0%}'}, {u.steps} steps, "
-                      f"finish: {result.finish_reason}[/bold]")
+    click.echo(json.dumps(result.as_json()) if as_json else "")
+    u = result.usage
+    rate = u.acceptance_rate
+    click.secho(f"{u.completion_tokens} tokens in {seconds:.2f}s "
+                f"({u.completion_tokens / seconds:.1f} tokens/s), acceptance rate "
+                f"{'n/a' if rate != rate else f'{rate:.0%}'}, {u.steps} steps, "
+                f"finish: {result.finish_reason}", err=True, bold=True)
     return result
 
 
 @main.command()
-@click.option("--address", default="127.0.0.1:50051", show_default=True)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=int)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--seed", default=None, type=int)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@opt("--address", default=f"127.0.0.1:{DEFAULTS.port}", help="The orchestrator, HOST:PORT.")
+@opt("--max-tokens", default=64, type=click.IntRange(1), help="Most tokens to generate.")
+@opt("--temperature", default=0.0, type=click.FloatRange(0), help="0 = greedy.")
+@opt("--top-k", default=0, type=click.IntRange(0), help="0 = the whole vocabulary.")
+@opt("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
+@opt("--seed", default=None, type=int, help="Sampling seed (unset = nondeterministic).")
+@opt("--stop", multiple=True, help="A string that ends the generation (repeatable).")
+@opt("--json", "as_json", is_flag=True, default=False,
+     help="Print one JSON object (text, token ids, usage) instead of streaming text.")
 @opt("--tls-ca", default=None, type=click.Path(dir_okay=False),
      help="Connect over TLS, trusting this CA (PEM).")
 @opt("--token", default=None, help="Bearer token for a server started with --auth-token-file.")
 @click.argument("prompt")
-def generate(address, prompt, as_json, tls_ca, token, **params) -> None:
-    """Stream a completion of PROMPT from a running orchestrator."""
-    _print_stream(address, prompt, as_json, tls_ca, token, **params)
+def generate(address, prompt, as_json, stop, tls_ca, token, **params) -> None:
+    """Stream a completion of PROMPT ('-' reads it from stdin) from a running orchestrator.
+
+    The text goes to stdout, a summary line to stderr."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    _print_stream(address, prompt, as_json, tls_ca, token, stop=stop, **params)
 
 
 DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci "
@@ -464,7 +468,7 @@ DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th 
 def demo(max_tokens, **kw) -> None:
     """Start the local stack on the defaults, stream one generation, shut down."""
     stack = _stack(**kw)
-    log_file = Path(tempfile.gettempdir()) / "specdecode-demo.log"
+    log_file = Path(tempfile.mkdtemp(prefix="specdecode-demo-")) / "servers.log"
     log_file.write_text("")
     stack.config.log_file = str(log_file)
     click.echo("starting proposer, scorer and orchestrator (the first run converts the "

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 
 from specdecode.health import wait_serving
-from specdecode.models import has_tokenizer
 from specdecode.tls import TlsFiles, open_channel
 
 
@@ -100,6 +99,7 @@ class LocalStack:
         return args
 
     def start(self, timeout_s: float = 300.0) -> str:
+        from specdecode.models import has_tokenizer  # loads torch: the CLI's client path must not
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype]

@@ -1,13 +1,21 @@
-"""The `specdecode` command's conventions: --version, one-line start-up errors, and progress
-bars kept out of the JSON log stream."""
+"""The `specdecode` command's conventions: --version, a light client path, defaults from
+StackConfig, one-line start-up errors, demo's logs in a temporary directory it names, and
+progress bars kept out of the JSON log stream. (generate against a running stack:
+tests/test_services_smollm2.py.)"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+from specdecode_stack.cli import main
+from specdecode_stack.local import StackConfig
 
 CLI = [sys.executable, "-m", "specdecode_stack.cli"]
 
@@ -25,7 +33,7 @@ def test_generate_help_loads_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "--prompt" in out.stdout or "PROMPT" in out.stdout
+    assert "SPECDECODE_ADDRESS" in out.stdout and "--stop" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
@@ -53,3 +61,46 @@ def test_json_logs_turn_progress_bars_off_and_text_logs_keep_them():
                              timeout=120, env={k: v for k, v in os.environ.items()
                                                if k != "HF_HUB_DISABLE_PROGRESS_BARS"})
         assert out.stdout.strip() == enabled, out.stderr
+
+
+# Defaults that differ on purpose: a server alone drains for 20 s (a pod's termination grace),
+# the local stack's for 10 s; `up` and `serve orchestrator` serve the HTTP API on 8000, the
+# programmatic stack (tests, benchmarks) leaves it off; the stack derives the orchestrator's
+# --tokenizer from its target model.
+OWN_DEFAULTS = {"grace_seconds", "http_port", "tokenizer"}
+
+
+def test_cli_defaults_are_the_stack_config_defaults():
+    """`up`, `demo` and `serve` take every default they share with the local stack from
+    StackConfig (one source). Each service has its own port; the proposer's --model is the
+    stack's draft model."""
+    defaults = vars(StackConfig())
+    serve = main.commands["serve"].commands
+    checked = []
+    for command in (main.commands["up"], main.commands["demo"], *serve.values()):
+        for param in command.params:
+            if param.name not in defaults or param.name in OWN_DEFAULTS:
+                continue
+            if param.name == "port" and command.name not in ("up", "demo"):
+                continue
+            assert param.default == defaults[param.name], (command.name, param.name)
+            checked.append((command.name, param.name))
+    assert len(checked) >= 20, checked
+    assert {p.name: p.default for p in serve["proposer"].params}["model"] == \
+        defaults["draft_model"]
+    assert {p.name: p.default for p in serve["orchestrator"].params}["port"] == defaults["port"]
+
+
+def test_demo_logs_into_a_temporary_directory_it_names():
+    """The server log path is printed before the stack starts, lies in a fresh directory
+    under the system's temporary directory, and holds the servers' output (here: the
+    scorer's error about a missing model, which fails the start with exit code 2)."""
+    out = subprocess.run([*CLI, "demo", "--target-model", "/nonexistent/model.gguf",
+                          "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    (path,) = set(re.findall(r"server logs: (\S+?\.log)", out.stdout + out.stderr))
+    log = Path(path)
+    assert log.parent.parent == Path(tempfile.gettempdir())
+    assert log.parent.name.startswith("specdecode-demo-") and log.parent.name != "specdecode-demo-"
+    assert "/nonexistent/model.gguf" in log.read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,3 +70,20 @@ def test_cli_generate_json(smol_stack, reference):
                                     "steps"}
     assert result["usage"]["completion_tokens"] == MAX_TOKENS
 
+
+
+def test_cli_generate_reads_stdin_and_address_from_env(smol_stack, reference):
+    """`-` reads the prompt from stdin, SPECDECODE_ADDRESS names the server, --stop cuts the
+    text; the text alone is on stdout and the summary line on stderr."""
+    expected, tok = reference
+    full = tok.decode(expected[PROMPTS[0]], skip_special_tokens=True)
+    stop = full[8:12]  # as in test_stop_string_cuts_text
+    env = {**os.environ, "SPECDECODE_ADDRESS": smol_stack.address}
+    out = subprocess.run([sys.executable, "-m", "specdecode_stack.cli", "generate",
+                          "--max-tokens", str(MAX_TOKENS), "--stop", stop, "-"],
+                         input=PROMPTS[0], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == full[:full.index(stop)] + "\n"
+    (summary,) = out.stderr.strip().splitlines()
+    assert "tokens in" in summary
+    assert summary.endswith("finish: stop")
