@@ -86,9 +86,9 @@ def hf_generate(target, ids: list[int], max_tokens: int, **kw) -> Outcome:
 
 
 def scrape(port: int) -> tuple[float, float]:
-    """(sum, count) of the orchestrator's specdecode_chosen_k histogram."""
+    """(sum, count) of the orchestrator's specdecode_chosen_k histogram (one model_name label)."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    get = lambda name: float(re.search(rf"^{name} (\S+)$", body, re.M).group(1))  # noqa: E731
+    get = lambda name: float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", body, re.M).group(1))  # noqa: E731
     return get("specdecode_chosen_k_sum"), get("specdecode_chosen_k_count")
 
 
@@ -102,7 +102,7 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
             r = client.generate(ids, max_tokens=max_tokens, num_speculative_tokens=k)
             u = r.usage
             return Outcome(len(r.token_ids), time.perf_counter() - start, r.token_ids,
-                           u["draft_tokens"], u["accepted_tokens"])
+                           u.draft_tokens, u.accepted_tokens)
     def chosen_k(before, after) -> float:
         return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else math.nan
     port = stack.metrics_ports["orchestrator"]
