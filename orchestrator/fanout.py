@@ -5,7 +5,10 @@ id), the sub-batches sent in parallel, the results put back in batch order.
 - The scorer is required: a sub-batch whose call fails or times out is retried, with
   back-off, on the replicas up by then (its sequences recompute there from their full
   tokens), until the retry budget is spent; then the step fails with UNAVAILABLE naming the
-  scorer. When no replica has been up for a whole budget, steps fail at once.
+  scorer. A timeout never takes the last replica up off the ring (it is slow, not gone):
+  the step retries it, each attempt's deadline doubled but ending with the budget (at least
+  one undoubled deadline). When no replica has been up for a whole budget, steps fail at
+  once.
 - The proposer is optional: a sub-batch whose call fails or times out gets no proposals
   (proposal length 0: the scorer alone decodes it, same output), and its replica stays out
   until the background check finds it healthy again. Fallback sequences and steps are
@@ -44,10 +47,16 @@ FALLBACK_SEQUENCES = Counter("specdecode_proposer_fallback_sequences",
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.ABORTED})
+# ... of which these say the replica is alive but slow or busy.
+SLOW = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.Call) and exc.code() in RETRYABLE
+
+
+def _slow(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.Call) and exc.code() in SLOW
 
 
 def _sub_request(req: ExecuteModelRequest, rows: list[int]) -> ExecuteModelRequest:
@@ -73,15 +82,18 @@ class _Routed:
 
     # Which failures take a replica out (and, for the scorer, are retried elsewhere).
     replica_failure = staticmethod(_retryable)
+    # Which of those leave the last replica up on the ring.
+    keeps_last = staticmethod(lambda exc: False)
 
-    def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call,
-                 attempt: int = 0) -> tuple[
+    def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call, attempt: int = 0,
+                 budget_s: float | None = None) -> tuple[
             dict[str, tuple[list[int], object]], dict[str, tuple[list[int], BaseException]]]:
         """Route `rows` of the batch and run call(client, sub_request, rows, timeout) per
         replica in parallel: ({replica: (rows, result)}, {replica: (rows, error)}).
         DeadlinePassedError once the step's client deadline has passed. A sequence new to
         its replica counts its whole length (recomputed there); retry `attempt` n doubles
-        the timeout n times (a replica that took over others' sequences is busier)."""
+        the timeout n times (a replica that took over others' sequences is busier), but
+        not past `budget_s` seconds unless the undoubled timeout is longer."""
         groups = req.seq_group_metadata_list
         futures = {}
         for address, (positions, client, fresh) in self.replicas.route(
@@ -90,8 +102,10 @@ class _Routed:
             sub = _sub_request(req, sub_rows)
             tokens = step_tokens(sub) + sum(groups[rows[p]].data.get_len() for p in fresh
                                             if not groups[rows[p]].is_prompt)
-            timeout = self.timeout.timeout(tokens, 2 ** attempt)  # on this thread: the
-            # client deadline lives here
+            # On this thread: the client deadline lives here.
+            timeout = self.timeout.timeout(tokens, 2 ** attempt)
+            if budget_s is not None:
+                timeout = min(timeout, max(budget_s, self.timeout.timeout(tokens)))
             if timeout <= 0:
                 raise DeadlinePassedError("the deadline of every request in the step passed")
             # In a copy of this thread's context: the call's client span is a child of the
@@ -111,7 +125,7 @@ class _Routed:
                         "the deadline of every request in the step passed") from exc
                 if not self.replica_failure(exc):
                     raise
-                self.replicas.failed(address, exc)
+                self.replicas.failed(address, exc, slow=self.keeps_last(exc))
                 failed[address] = (sub_rows, exc)
         return done, failed
 
@@ -139,6 +153,8 @@ class _Routed:
 
 
 class RoutedScorer(_Routed, SpeculativeScorer):
+    keeps_last = staticmethod(_slow)
+
     def __init__(self, replicas: ReplicaSet, timeout: CallTimeout, retry_timeout_s: float):
         super().__init__(replicas, timeout)
         self.retry_timeout_s = retry_timeout_s
@@ -166,7 +182,8 @@ class RoutedScorer(_Routed, SpeculativeScorer):
         while pending:
             if self.replicas.up_count() == 0 and self.replicas.down_for() >= self.retry_timeout_s:
                 raise self._unavailable(f"no replica up for {self.replicas.down_for():.0f}s")
-            done, failed = self._fan_out(req, pending, call, attempt) \
+            done, failed = self._fan_out(req, pending, call, attempt,
+                                         give_up - time.monotonic()) \
                 if self.replicas.up_count() else ({}, {})
             for rows, scores in done.values():
                 token_ids[rows] = scores.token_ids

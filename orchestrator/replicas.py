@@ -5,7 +5,8 @@ addresses (a headless Service). Every address is a replica with its own channel.
 is *up* (on the routing ring) or *down*:
 
 - a failed call takes it down at once and keeps it out for a back-off (0.5 s, doubling with
-  failures in a row, at most 10 s);
+  failures in a row, at most 10 s) -- except a call that merely timed out on the last
+  replica up: that one stays (it is slow, not gone) and the step retries it;
 - a background thread checks every replica's grpc.health.v1 every `health_interval_s` and
   brings a down one back when it reports SERVING (after its back-off, and after checking
   that it serves the same model as the others); it also re-resolves the names every
@@ -250,18 +251,30 @@ class ReplicaSet:
             if replica is not None:
                 replica.failures = 0
 
-    def failed(self, address: str, exc: BaseException) -> None:
+    def failed(self, address: str, exc: BaseException, *, slow: bool = False) -> bool:
+        """Count a failed step call and take the replica off the ring (its sequences move
+        to the others) with a back-off; True if it went off. A call that was merely `slow`
+        (timed out, overloaded) does not take off the last replica up: it still answers,
+        and with none up every step would fail; the caller retries it with a longer
+        deadline instead."""
         REPLICA_STEPS.labels(self.role, address).inc()
         REPLICA_FAILURES.labels(self.role, address).inc()
         with self._lock:
             replica = self._replicas.get(address)
             if replica is None:
-                return
+                return False
             replica.failures += 1
             replica.retry_at = time.monotonic() + min(
                 MAX_BACKOFF_S, BACKOFF_S * 2 ** (replica.failures - 1))
+            keep = slow and replica.up and not any(
+                r.up for r in self._replicas.values() if r is not replica)
         code = exc.code().name if isinstance(exc, grpc.Call) else type(exc).__name__
+        if keep:
+            log.warning("%s replica %s: call failed (%s); kept up, the last one", self.role,
+                        address, code)
+            return False
         self._set_up(address, False, f"call failed: {code}")
+        return True
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget the sequences; every replica that saw one releases it (in the background:

@@ -208,6 +208,50 @@ def test_client_deadline_bounds_the_internal_calls(pair, reference):
     assert stream(address, PROMPTS[2], 16)[0] == reference(2)[:16]
 
 
+def test_timeout_keeps_the_last_scorer_on_the_ring(pair, reference):
+    """The only scorer hangs (SIGSTOP) for 3 s, past its 1 s step deadline but within the
+    10 s retry budget: the timed-out calls are retried on it with longer deadlines, since a
+    timeout never takes the last replica off the ring (it is slow, not gone; taken off, an
+    overloaded last replica failed every stream of the long soak). The streams complete
+    with the target's tokens and the orchestrator stays SERVING throughout."""
+    pair.start_orchestrator("orchestrator-slow", "--scorer-timeout", "1",
+                            "--scorer-retry-timeout", "10")
+    address, label = pair.address("orchestrator-slow"), pair.address("scorer0")
+    statuses: list[int] = []
+    polling = threading.Event()
+
+    def poll():
+        while not polling.wait(0.05):
+            statuses.append(health(address))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(stream, address, PROMPTS[i], MAX_TOKENS) for i in range(2)]
+            pair.wait_for(lambda: pair.metric("orchestrator-slow",
+                                              "specdecode_generation_tokens_total") > 20, 60,
+                          "streams under way")
+            poller = pool.submit(poll)
+            pair.processes["scorer0"].send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(3)
+            finally:
+                pair.processes["scorer0"].send_signal(signal.SIGCONT)
+            results = [f.result(timeout=120) for f in futures]
+            polling.set()
+            poller.result()
+        timeouts = pair.metric("orchestrator-slow", "specdecode_replica_failures_total", label)
+    finally:
+        pair.kill("orchestrator-slow", signal.SIGTERM)
+    for i, (tokens, times, *_) in enumerate(results):
+        assert tokens == reference(i), i
+        assert max_gap(times) <= 10, (i, max_gap(times))
+    assert timeouts >= 1  # the stall did time calls out
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert statuses and all(s == serving for s in statuses), statuses
+    print(f"\nlast scorer hung 3 s: {timeouts:.0f} timed-out calls, kept on the ring, "
+          f"largest token gap {max(max_gap(t) for _, t, *_ in results):.2f}s, SERVING in all "
+          f"{len(statuses)} health checks")
+
+
 def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
     """The only scorer killed: the running stream fails with UNAVAILABLE naming the scorer
     within the retry deadline, the orchestrator reports NOT_SERVING, later requests fail

@@ -1,16 +1,19 @@
 """Routing and deadline rules in isolation: the hash ring's affinity and balance, address
-resolution, and call timeouts sized from a step's work and bounded by the client's deadline."""
+resolution, call timeouts sized from a step's work and bounded by the client's deadline, and
+which failures take a replica off the ring."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from orchestrator import deadlines
 from orchestrator.deadlines import CallTimeout, step_tokens
+from orchestrator.replicas import ReplicaSet
 from orchestrator.routing import HashRing, resolve, split_address
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
@@ -77,3 +80,23 @@ def test_client_deadline_bounds_every_call():
         assert t.timeout(1) == 0.0
     with deadlines.bounded_by(None):
         assert t.timeout(1) == 30.0
+
+
+def test_a_timeout_never_takes_the_last_replica_off():
+    """A failed call takes its replica off the ring; a merely slow one (timed out) only
+    while another replica is up to take its sequences."""
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    replicas = ReplicaSet("scorer", ",".join(addresses),
+                          lambda channel, address: SimpleNamespace(channel=channel), [])
+    try:
+        replicas._resolve()
+        for address in addresses:
+            replicas._set_up(address, True, "test")
+        timeout = RuntimeError("DEADLINE_EXCEEDED")
+        assert replicas.failed(addresses[0], timeout, slow=True)  # another is up
+        assert not replicas.failed(addresses[1], timeout, slow=True)  # the last one stays
+        assert replicas.up_count() == 1 and replicas.route([7]).keys() == {addresses[1]}
+        assert replicas.failed(addresses[1], RuntimeError("UNAVAILABLE"))  # gone: off
+        assert replicas.up_count() == 0 and replicas.route([7]) == {}
+    finally:
+        replicas.close()
