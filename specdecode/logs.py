@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 from opentelemetry import trace
 
@@ -69,17 +70,28 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+def progress_bars_off() -> None:
+    """No progress bars from huggingface_hub and transformers: the environment switch both
+    read when imported, and the switch of those already imported."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()
+
+
 def configure_logging(service: str, fmt: str = "json", level: int = logging.INFO) -> None:
     """Replace the root logger's handlers with one stderr handler in `fmt` (json | text).
 
     Progress bars (model conversion and loading, drawn by transformers and huggingface_hub
     on stderr) are turned off in JSON mode, where they would break the stream of JSON lines;
-    in text mode they stay on stderr. Call this before transformers is imported: both read
-    the setting at import."""
+    in text mode they stay on stderr."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format: must be json or text, got {fmt!r}")
     if fmt == "json":
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        progress_bars_off()
     handler = logging.StreamHandler()
     handler.addFilter(TraceContextFilter())
     handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter())

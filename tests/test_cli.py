@@ -6,8 +6,10 @@ tests/test_services_smollm2.py.)"""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from specdecode_stack.cli import main
-from specdecode_stack.local import StackConfig
+from specdecode_stack.local import StackConfig, free_port, wait_process_serving
 
 CLI = [sys.executable, "-m", "specdecode_stack.cli"]
 
@@ -50,17 +52,32 @@ def test_a_metrics_port_in_use_is_a_one_line_error():
     assert "--metrics-port" in line and str(port) in line
 
 
-def test_json_logs_turn_progress_bars_off_and_text_logs_keep_them():
-    code = ("import sys\n"
-            "from specdecode.logs import configure_logging\n"
-            "configure_logging('t', sys.argv[1])\n"
-            "from transformers.utils import logging\n"
-            "print(logging.is_progress_bar_enabled())")
-    for fmt, enabled in (("json", "False"), ("text", "True")):
-        out = subprocess.run([sys.executable, "-c", code, fmt], capture_output=True, text=True,
-                             timeout=120, env={k: v for k, v in os.environ.items()
-                                               if k != "HF_HUB_DISABLE_PROGRESS_BARS"})
-        assert out.stdout.strip() == enabled, out.stderr
+def serve_tiny_proposer(model_dir: str, log_format: str) -> tuple[str, str]:
+    """Start `serve proposer` on a tiny model until it serves, stop it: (stdout, stderr)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_DISABLE_PROGRESS_BARS", "SPECDECODE_LOG_FORMAT")}
+    proc = subprocess.Popen([*CLI, "serve", "proposer", "--model", model_dir, "--port",
+                             str(port), "--log-format", log_format], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_process_serving(f"127.0.0.1:{port}", 120, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def test_progress_bars_stay_out_of_json_logs_and_on_stderr_in_text_logs(tiny_model_dirs):
+    """Loading a model draws transformers' "Loading weights" bar: in text mode it is on
+    stderr (never stdout); in JSON mode every stderr line is a JSON log object."""
+    out, err = serve_tiny_proposer(tiny_model_dirs["draft"], "text")
+    assert "Loading weights" in err and out == ""
+    out, err = serve_tiny_proposer(tiny_model_dirs["draft"], "json")
+    assert out == "" and "Loading weights" not in err
+    lines = [json.loads(line) for line in err.splitlines()]
+    assert any(line["message"].startswith("proposer ready") for line in lines)
 
 
 # Defaults that differ on purpose: a server alone drains for 20 s (a pod's termination grace),
