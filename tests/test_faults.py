@@ -376,28 +376,33 @@ def test_scorer_replica_killed_mid_stream(trio, reference):
           f"{max(max_gap(t) for _, t, _, _ in results):.2f}s (bound {SCORER_RETRY_S}s)")
 
 
-def soak(cluster: Cluster, reference, streams: int, seconds: float, restart_every: float):
+def soak(cluster: Cluster, reference, streams: int, seconds: float, restart_every: float,
+         down_s: float = 0.0):
     """`streams` clients generate back to back for `seconds` while a scorer replica is
-    restarted every `restart_every` seconds (kill -9 and SIGTERM in turn)."""
+    restarted every `restart_every` seconds (kill -9 and SIGTERM in turn), `down_s` seconds
+    after it was stopped."""
     address = cluster.address("orchestrator")
+    failed_calls = cluster.metric("orchestrator", "specdecode_replica_failures_total")
     end = time.monotonic() + seconds
     failures: list[str] = []
-    done = [0]
+    done, tokens_out, stalls = [0], [0], [0.0]
 
     def client(c: int):
         rng = random.Random(c)
         while time.monotonic() < end:
             i, n = rng.randrange(len(PROMPTS)), rng.randrange(8, 64)
             try:
-                tokens, _, finish, usage = stream(address, PROMPTS[i], n)
+                tokens, times, finish, usage = stream(address, PROMPTS[i], n)
             except grpc.RpcError as exc:
                 failures.append(f"client {c}: {exc.code().name} {exc.details()}")
                 continue
             if tokens != reference(i)[:n] or finish != 2 or usage.completion_tokens != n:
                 failures.append(f"client {c}: prompt {i}, {n} tokens: got {tokens}")
             done[0] += 1
+            tokens_out[0] += len(tokens)
+            stalls[0] = max(stalls[0], max_gap(times))  # the first token counts too
 
-    restarts, start = 0, time.monotonic()
+    restarts, start, timers = 0, time.monotonic(), []
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         futures = [pool.submit(client, c) for c in range(streams)]
         # Every `restart_every` seconds the next replica in turn is stopped and started again
@@ -406,17 +411,24 @@ def soak(cluster: Cluster, reference, streams: int, seconds: float, restart_ever
             time.sleep(max(0.0, next_at - time.monotonic()))
             victim = cluster.scorers[restarts % len(cluster.scorers)]
             cluster.kill(victim, signal.SIGKILL if restarts % 2 == 0 else signal.SIGTERM)
-            cluster.start_service(victim, wait=False)
+            timers.append(threading.Timer(down_s, cluster.start_service, (victim, False)))
+            timers[-1].start()
             restarts += 1
         for f in futures:
             f.result()
+        for timer in timers:
+            timer.join()
     for name in cluster.scorers:  # all serving again before the next test
         wait_process_serving(cluster.address(name), 120, cluster.processes[name])
     assert not failures, failures[:5]
     wait_all_released(cluster)
-    print(f"\nsoak: {streams} streams, {seconds:.0f}s, {restarts} scorer restarts, "
-          f"{done[0]} requests, all equal to the target's greedy output; every service "
-          f"holds 0 sequences after")
+    failed_calls = cluster.metric("orchestrator", "specdecode_replica_failures_total") \
+        - failed_calls
+    print(f"\nsoak: {streams} streams, {seconds:.0f}s, {restarts} scorer restarts "
+          f"({down_s:.0f}s down), {failed_calls:.0f} failed scorer calls retried, "
+          f"{done[0]} requests, {tokens_out[0]} tokens, all equal to the target's greedy "
+          f"output; largest wait for a token (the first included) {stalls[0]:.2f}s; every "
+          f"service holds 0 sequences after ({held_sequences(cluster)})")
     assert restarts >= 1 and done[0] >= streams
 
 
@@ -427,3 +439,10 @@ def test_soak_short(trio, reference):
 @pytest.mark.slow
 def test_soak_long(trio, reference):
     soak(trio, reference, streams=64, seconds=120, restart_every=20)
+
+
+@pytest.mark.slow
+def test_soak_long_overlapping_outages(trio, reference):
+    """Each replica stays down 30 s while the next goes down every 20 s: two of the three
+    are out at times, and the last one carries all 64 streams and their recomputes."""
+    soak(trio, reference, streams=64, seconds=120, restart_every=20, down_s=30)
