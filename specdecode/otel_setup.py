@@ -241,14 +241,15 @@ def prometheus_to_otlp(registry, start_time_ns: int, prefix: str = "specdecode_"
 
 
 class PrometheusOtlpBridge:
-    """Pushes the process's Prometheus metrics (the same values /metrics serves) to an OTLP
-    endpoint every `interval_s` (OTEL_METRIC_EXPORT_INTERVAL), and once more at shutdown."""
+    """Pushes the process's Prometheus metrics (what /metrics serves: the same values, with
+    the model_name label) to an OTLP endpoint every `interval_s`
+    (OTEL_METRIC_EXPORT_INTERVAL), and once more at shutdown."""
 
     def __init__(self, exporter, resource, interval_s: float = 60.0, registry=None):
-        import prometheus_client
+        from specdecode.served_metrics import SERVED
         self.exporter, self.resource = exporter, resource
         self.interval_s = max(interval_s, 0.05)
-        self.registry = registry or prometheus_client.REGISTRY
+        self.registry = registry or SERVED
         self.start_time_ns = time.time_ns()
         self._failing = False
         self._stop = threading.Event()

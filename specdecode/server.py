@@ -26,6 +26,7 @@ from specdecode import tracing
 from specdecode.auth import BearerAuth, TokenSet
 from specdecode.model_info import IncompatibleModelsError
 from specdecode.sequence import InvalidRequestError
+from specdecode.served_metrics import SERVED
 from specdecode.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
@@ -342,20 +343,6 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         return traced
 
 
-class ModelNameLabel:
-    """What /metrics serves: every sample of `registry` with a `model_name` label (vLLM's
-    convention), the name of the served model, set once it is loaded."""
-
-    def __init__(self, registry: prometheus_client.CollectorRegistry = prometheus_client.REGISTRY):
-        self.registry, self.model_name = registry, ""
-
-    def collect(self):
-        for family in self.registry.collect():
-            family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels})
-                              for s in family.samples]
-            yield family
-
-
 class GrpcServer:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection, and
     server spans (see ServerTracing; `start_traces` is False for the internal services)."""
@@ -385,7 +372,7 @@ class GrpcServer:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # taken between the check and here
             raise PortInUseError(f"--port {address} is not available") from None
-        self.metrics = ModelNameLabel()
+        self.metrics = SERVED
         self._stopping = asyncio.Event()
 
     async def _set_status(self, status) -> None:

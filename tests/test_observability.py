@@ -363,16 +363,23 @@ def test_service_metrics_match_the_run(run):
 
 
 def test_metrics_also_go_over_otlp(run):
-    """The same counters reach the OTLP receiver (pushed at least at shutdown)."""
+    """The same counters reach the OTLP receiver (pushed at least at shutdown), every point
+    with the model_name label /metrics has."""
     last: dict[tuple[str, str], float] = {}
+    last_model_names: dict[str, set[str]] = {}  # service -> model_name values, last push
     for request in run.otlp_metrics:
         for rm in request.resource_metrics:
             service = attrs(rm.resource)["service.name"]
+            last_model_names[service] = set()
             for sm in rm.scope_metrics:
                 for metric in sm.metrics:
+                    points = getattr(metric, metric.WhichOneof("data")).data_points
+                    last_model_names[service] |= {attrs(p).get("model_name") for p in points}
                     if metric.HasField("sum"):
                         last[service, metric.name] = sum(p.as_double for p in
                                                          metric.sum.data_points)
+    assert last_model_names == {f"specdecode-{role}": names
+                                for role, names in run.model_names.items()}
     usage = run.result.usage
     assert last["specdecode-orchestrator", "specdecode_accepted_tokens"] == \
         run.metrics["orchestrator"]["specdecode_accepted_tokens_total"]

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import prometheus_client
+from prometheus_client.core import GaugeMetricFamily
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -22,6 +23,7 @@ from opentelemetry.util._once import Once
 
 from specdecode import logs, otel_setup, tracing
 from specdecode.sequence import InvalidRequestError
+from specdecode.served_metrics import ModelNameLabel
 from specdecode.server import Deferred, ServerTracing, map_errors
 from tests.conftest import greedy_request, make_engine
 
@@ -429,6 +431,20 @@ def test_prometheus_registry_converts_to_otlp_metrics():
     (hp,) = metrics["specdecode_wait_seconds"].data.data_points
     assert list(hp.explicit_bounds) == [0.1, 1.0] and list(hp.bucket_counts) == [1, 2, 1]
     assert hp.count == 4 and hp.sum == pytest.approx(6.25)
+    # a ModelNameLabel view (what /metrics serves) gives every point its model_name
+    view = ModelNameLabel(registry)
+    view.model_name = "m"
+    labelled = otel_setup.prometheus_to_otlp(view, start_time_ns=1)
+    assert {p.attributes.get("model_name") for m in labelled for p in m.data.data_points} == {"m"}
+    # the view labels copies: a collector that hands out the same family each time (as
+    # python_info does) keeps its own samples, so a later model_name is not shadowed
+    families = [GaugeMetricFamily("specdecode_fixed", "Fixed.", 1.0)]
+    registry.register(type("Fixed", (), {"collect": lambda self: families})())
+    list(view.collect())
+    view.model_name = "later"
+    assert families[0].samples[0].labels == {}
+    fixed = [f for f in view.collect() if f.name == "specdecode_fixed"]
+    assert fixed[0].samples[0].labels == {"model_name": "later"}
     # and the OTLP encoder accepts them
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
