@@ -123,6 +123,7 @@ class StepStats:
     k: int = 0  # the step's longest speculation (num_lookahead_slots)
     ks: list[int] = field(default_factory=list)  # [B] speculation length chosen per sequence
     scoring: str = ""  # the scoring method the policy's costs predicted ("" = not predicted)
+    explore: bool = False  # the policy speculated to measure a cost, not because it pays
     draft_tokens: int = 0
     # Draft tokens that passed the accept test, even after an earlier rejection in their row
     # (vLLM 0.4.2's accepted_tokens: an alignment measure; may exceed what was emitted).
@@ -316,6 +317,7 @@ class SpecDecodeEngine:
                 "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
                 "specdecode.chosen_k": stats.ks,
                 "specdecode.predicted_scoring": stats.scoring or None,
+                "specdecode.explore": stats.explore,
                 "specdecode.draft_tokens": stats.draft_tokens,
                 "specdecode.accepted_tokens": stats.accepted_tokens,
                 "specdecode.emitted_tokens": stats.emitted_tokens,
@@ -367,6 +369,7 @@ class SpecDecodeEngine:
         t_verified = time.perf_counter()
 
         stats = StepStats(batch_size=len(seqs), k=k, ks=list(plan.ks), scoring=plan.scoring,
+                          explore=plan.explore,
                           propose_s=t_proposed - start, score_s=t_scored - t_proposed,
                           verify_s=t_verified - t_scored, accepted_by_position=[0] * k)
         outputs, finished = [], []

@@ -17,6 +17,15 @@ Acceptance is learned per sequence from what verification accepted (decayed coun
 follows a sequence moving from prose into code), blended with the running acceptance of all
 sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
 tried again once the prior makes speculation look worth it.
+
+The services' cost tables are measured once at start-up, often while the other service is
+loading on the same cores, and can be several times off. The policy therefore corrects them
+with what its own steps take (RPC included): an additive term learned on plain-decoding
+steps, and a factor per verify width on what verifying costs beyond a decode (and one on
+the draft's forwards) learned on speculative ones. A correction can only be learned for a width that runs, so while plain
+decoding is chosen the policy now and then runs the most promising speculative plan instead
+(after 8 plain steps, then 16, 32, ... up to 256): a table that wrongly says "never
+speculate" gets mended, at a bounded cost when it was right.
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative st
 IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
 GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
-OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured overheads
+OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
+EXPLORE_FIRST = 8  # plain steps before the first exploratory speculative step ...
+EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
+FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -72,6 +84,23 @@ class Acceptance:
 
 
 @dataclass
+class Learned:
+    """A running mean that trusts its first samples fully (1/n) and then weighs each new one
+    OVERHEAD_WEIGHT, so one observation replaces a start-up guess and later ones track drift."""
+
+    value: float
+    n: int = 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(OVERHEAD_WEIGHT, 1.0 / self.n) * (x - self.value)
+
+
+def _factor(measured: float, predicted: float) -> float:
+    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1]) if predicted > 0 else 1.0
+
+
+@dataclass
 class Candidate:
     """One sequence as the policy sees it this step."""
 
@@ -85,6 +114,7 @@ class Plan:
     scoring: str  # the scoring method the costs predict ("" when not predicted)
     expected_tokens: float
     seconds: float  # predicted step time
+    explore: bool = False  # speculating although plain decoding was predicted faster
 
 
 class SpeculationPolicy:
@@ -106,8 +136,14 @@ class SpeculationPolicy:
         self.scoring = scoring.replace("_", "-")
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0)
-        self.overhead = {"step": 0.0, "propose": 0.0, "score": 0.0}  # seconds, measured
         self.measure_overheads = measure_overheads
+        # Learned from the steps (seconds): outside the calls; a plain scoring call beyond the
+        # table's decode (RPC, and the table's error); an n-gram proposer call. Factors on
+        # the tables: per verify width (on the cost beyond a decode), on the draft's forwards.
+        self.step_s, self.rpc_s, self.ngram_s = Learned(0.0), Learned(0.0), Learned(0.0)
+        self.verify_factor: dict[int, Learned] = {}
+        self.draft_factor = Learned(1.0)
+        self.plain_steps, self.explore_after = 0, EXPLORE_FIRST
 
     # -- choosing k ------------------------------------------------------------------------
 
@@ -119,7 +155,8 @@ class SpeculationPolicy:
         est = [self.seqs.get(c.seq_id, Acceptance()) for c in candidates]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
-        best = self._evaluate([0] * len(caps), alphas, rates)
+        plain = best = self._evaluate([0] * len(caps), alphas, rates)
+        best_spec = None
         for K in range(1, max(caps, default=0) + 1):
             ks = [min(K, cap) for cap in caps]
             plan = self._evaluate(ks, alphas, rates)
@@ -130,13 +167,27 @@ class SpeculationPolicy:
                 left_out = set(spec[:drop])
                 trial = self._evaluate([0 if i in left_out else k for i, k in enumerate(ks)],
                                        alphas, rates)
-                if trial.expected_tokens / trial.seconds > plan.expected_tokens / plan.seconds:
+                if _rate(trial) > _rate(plan):
                     plan = trial
                 drop *= 2
-            if plan.expected_tokens / plan.seconds > best.expected_tokens / best.seconds * (
-                    GAIN_MARGIN if not any(best.ks) else 1.0):
-                best = plan
-        return best
+            if best_spec is None or _rate(plan) > _rate(best_spec):
+                best_spec = plan
+        if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
+            best = best_spec
+        return self._maybe_explore(best, best_spec)
+
+    def _maybe_explore(self, best: Plan, best_spec: Plan | None) -> Plan:
+        """Every so often run the best speculative plan although plain decoding looks faster,
+        so that its cost is measured rather than taken from the start-up table."""
+        if best_spec is None or any(best.ks):
+            self.plain_steps, self.explore_after = 0, EXPLORE_FIRST
+            return best
+        self.plain_steps += 1
+        if self.plain_steps < self.explore_after:
+            return best
+        self.plain_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MAX)
+        best_spec.explore = True
+        return best_spec
 
     def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float]) -> Plan:
         tokens = sum(1.0 + r * (expected_tokens(a, k) - 1.0) for a, r, k in zip(alphas, rates, ks))
@@ -146,24 +197,41 @@ class SpeculationPolicy:
     def _cost(self, ks: list[int], rates: list[float]) -> tuple[str, float]:
         """(scoring method, predicted seconds) of a step with these ks."""
         B, K = len(ks), max(ks)
-        seconds = self.overhead["step"] + self.overhead["score"]
-        decode = self.scorer_costs(B, 1)
+        decode = self.scorer_costs(B, 1) + self.rpc_s.value  # a plain scoring call
+        seconds = self.step_s.value + decode
         scoring = "multi-query" if self.scoring == "auto" else self.scoring
         if K == 0:
-            return scoring, seconds + decode
-        seconds += self.overhead["propose"]
+            return scoring, max(seconds, 1e-6)
         if self.draft_model:
-            seconds += sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(K))
+            seconds += self._rpc() + self.draft_factor.value * self._drafted(ks)
+        else:
+            seconds += self.ngram_s.value
         if self.scoring == "auto":
             scoring = min(("multi-query", "batch-expansion"),
                           key=lambda m: verify_seconds(self.scorer_costs, m, ks))
-        verify = verify_seconds(self.scorer_costs, scoring, ks)
+        # What verifying costs beyond a decode, as the table says, mended by what was measured.
+        extra = (verify_seconds(self.scorer_costs, scoring, ks) - self.scorer_costs(B, 1)
+                 ) * self._verify_factor(K + 1)
         # An n-gram proposer may find nothing: when no row has a proposal, the step's
         # scoring is a decode.
         p_none = 1.0
         for r, k in zip(rates, ks):
             p_none *= 1.0 - (r if k else 0.0)
-        return scoring, seconds + decode + (verify - decode) * (1.0 - p_none)
+        return scoring, max(seconds + extra * (1.0 - p_none), 1e-6)
+
+    def _rpc(self) -> float:
+        """One call's time around the forward (the proposer's is taken to be the scorer's)."""
+        return max(self.rpc_s.value, 0.0)
+
+    def _drafted(self, ks: list[int]) -> float:
+        """The draft's predicted forwards: step s runs over the rows still drafting."""
+        return sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(max(ks)))
+
+    def _verify_factor(self, width: int) -> float:
+        """The learned factor of the nearest verify width measured (1 before any)."""
+        if not self.verify_factor:
+            return 1.0
+        return self.verify_factor[min(self.verify_factor, key=lambda w: (abs(w - width), w))].value
 
     # -- learning ----------------------------------------------------------------------------
 
@@ -180,22 +248,31 @@ class SpeculationPolicy:
 
     def observe_step(self, plan: Plan, lens: list[int], propose_s: float, score_s: float,
                      total_s: float) -> None:
-        """Learn the step's time outside the predicted forwards: RPCs, sampling, bookkeeping."""
+        """Learn from a step's measured times: the time around the calls (RPCs, sampling,
+        bookkeeping) on plain steps, the factor by which the tables were off on speculative
+        ones. lens: the proposal lengths actually scored."""
         if not (self.adaptive and self.measure_overheads and plan.ks):
             return
-        scoring = plan.scoring or "multi-query"
-        verify = verify_seconds(self.scorer_costs, scoring, lens)
-        self._ewma("score", score_s - verify)
-        self._ewma("step", total_s - propose_s - score_s)
-        K = max(plan.ks)
-        if K:
-            drafted = sum(self.draft_costs(sum(1 for k in plan.ks if k > s), 1)
-                          for s in range(K)) if self.draft_model else 0.0
-            self._ewma("propose", propose_s - drafted)
-
-    def _ewma(self, key: str, value: float) -> None:
-        self.overhead[key] += OVERHEAD_WEIGHT * (max(value, 0.0) - self.overhead[key])
+        self.step_s.add(max(total_s - propose_s - score_s, 0.0))
+        width = max(lens, default=0) + 1
+        decode = self.scorer_costs(len(lens), 1)
+        if width == 1:  # a decode (n-gram may have found nothing): the RPC, and the table's error
+            self.rpc_s.add(score_s - decode)
+        else:  # how far off the table's cost of verifying beyond a decode was
+            extra = verify_seconds(self.scorer_costs, plan.scoring or "multi-query", lens) - decode
+            self.verify_factor.setdefault(width, Learned(1.0)).add(
+                _factor(score_s - self.rpc_s.value - decode, extra))
+        if max(plan.ks):
+            if self.draft_model:
+                self.draft_factor.add(_factor(propose_s - self._rpc(), self._drafted(plan.ks)))
+            else:
+                self.ngram_s.add(propose_s)
 
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
+
+
+def _rate(plan: Plan) -> float:
+    """Expected tokens per second."""
+    return plan.expected_tokens / plan.seconds

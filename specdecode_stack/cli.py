@@ -458,8 +458,12 @@ def generate(address, prompt, as_json, stop, tls_ca, token, **params) -> None:
     _print_stream(address, prompt, as_json, tls_ca, token, stop=stop, **params)
 
 
-DEMO_PROMPT = ("<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci "
-               "number.<|im_end|>\n<|im_start|>assistant\n")
+# An editing task: the answer repeats much of the prompt, which the default n-gram proposer
+# finds (prompt lookup), so the demo shows speculation paying; on free-form prompts the
+# stack mostly decodes plainly, as adaptive k finds that speculation does not pay there.
+DEMO_PROMPT = ("<|im_start|>user\nRename the variable a to prev in this Python function:\n\n"
+               "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+               "        a, b = b, a + b\n    return a<|im_end|>\n<|im_start|>assistant\n")
 
 
 @main.command()
