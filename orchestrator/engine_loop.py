@@ -69,7 +69,8 @@ class EngineLoop:
     def cancel_all(self) -> None:
         """At the next step boundary, end every request with finish reason "cancelled"
         (its sink gets a last StepOutput) and release its sequence on the services (a
-        draining server whose grace is running out)."""
+        draining server whose grace is running out; Frontend.cancel_all ends the public
+        streams at once). Requests still running when the loop stops are released too."""
         with self._cv:
             self._cancel_all = True
             self._cv.notify()
@@ -87,6 +88,13 @@ class EngineLoop:
             return pending, aborts, cancel_all
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # stopped (the server is gone): free what still runs on the services
+            for request_id in list(self.engine.running):
+                self._guard(self.engine.abort, request_id)
+
+    def _serve(self) -> None:
         while (commands := self._take_commands()) is not None:
             pending, aborts, cancel_all = commands
             self._waiting.extend(pending)

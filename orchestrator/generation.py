@@ -83,6 +83,10 @@ class Delta:
     usage: Usage | None = None  # on its last delta
 
 
+# Put in a running generation's queue by Frontend.cancel_all: its samples end at once.
+_CANCEL = (None, None)
+
+
 class Frontend:
     """Builds Generations (tokenizing, defaults, validation) and runs them on the engine loop.
     Serves after `attach`; `loaded` says whether it has been."""
@@ -97,6 +101,8 @@ class Frontend:
         self.default_max_tokens = default_max_tokens
         self.max_speculative_tokens = max_speculative_tokens
         self.max_n = max_n
+        # The output queue of every running generation, with its event loop.
+        self._queues: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
 
     def attach(self, loop: EngineLoop, tokenizer, model_name: str = "") -> None:
         self.loop, self.tokenizer, self.loaded = loop, tokenizer, True
@@ -154,6 +160,15 @@ class Frontend:
             self.engine.validate(request)
         return gen
 
+    def cancel_all(self) -> None:
+        """End every running generation now, each sample with finish reason "cancelled"
+        and the tokens it has (a draining server whose grace is running out), without
+        waiting for the step under way, which may be stuck on a slow service; the engine
+        loop releases their sequences at its next step boundary. Any thread."""
+        for queue, loop in list(self._queues.items()):
+            loop.call_soon_threadsafe(queue.put_nowait, _CANCEL)
+        self.loop.cancel_all()
+
     async def run(self, gen: Generation) -> AsyncIterator[Delta]:
         """The samples' deltas as the engine produces them (interleaved across samples).
         Raises the exception that ended a request (the others are then aborted); a caller
@@ -169,6 +184,7 @@ class Frontend:
             **semconv.request_attributes(self.model_name, gen.params)}, start_ns)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        self._queues[queue] = loop
         samples = [_Sample(i, r, TextStream(self.tokenizer, gen.stop) if self.tokenizer else None)
                    for i, r in enumerate(requests)]
         for s in samples:
@@ -186,6 +202,13 @@ class Frontend:
         try:
             while running:
                 index, item = await queue.get()
+                if index is None:  # _CANCEL
+                    for i in sorted(running):
+                        queue.put_nowait((i, StepOutput(samples[i].request.request_id, [],
+                                                        "cancelled", samples[i].stats)))
+                    continue
+                if index not in running:  # output after the sample was cancelled
+                    continue
                 sample = samples[index]
                 if isinstance(item, BaseException):
                     metrics.REQUESTS.labels("error").inc()
@@ -211,6 +234,7 @@ class Frontend:
                         span.end(closing(delta.finish_reason))
                 yield delta
         finally:
+            self._queues.pop(queue, None)
             for index in running:  # the caller went away or a sample failed: free the rest
                 metrics.REQUESTS.labels("cancelled").inc()
                 self.loop.abort(samples[index].request.request_id)
@@ -224,9 +248,11 @@ class _Sample:
     text: TextStream | None
     output: list[int] = field(default_factory=list)
     last: float = 0.0  # when it last produced tokens
+    stats: RequestStats = field(default_factory=RequestStats)  # as of its last output
 
     def delta(self, out: StepOutput, loop: EngineLoop) -> Delta:
         self.output += out.new_token_ids
+        self.stats = out.stats
         finish = out.finish_reason
         text = ""
         if self.text is not None:

@@ -107,7 +107,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     async def cancel_before_grace_ends(grace_s: float) -> None:
         await asyncio.sleep(max(0.0, grace_s - min(1.0, grace_s / 4)))
         log.warning("grace period ending: cancelling the requests still running")
-        parts["loop"].cancel_all()
+        servicer.frontend.cancel_all()
 
     companions = []
     if http_port:

@@ -288,17 +288,25 @@ def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
 
 def test_sigterm_cancels_streams_that_outlive_the_grace(pair, reference):
     """SIGTERM with streams longer than the grace (0.5 s; 8 x 200 one-token steps take
-    seconds): they end with FINISH_REASON_CANCELLED (a prefix of the right tokens) and the
-    services free them."""
+    seconds) while their step hangs on the scorer (SIGSTOP): before the grace ends they end
+    with FINISH_REASON_CANCELLED (a prefix of the right tokens) without waiting for that
+    step; once the scorer answers again, the services free the sequences and the
+    orchestrator exits 0."""
     address = pair.address("orchestrator")
+    orchestrator, scorer = pair.processes["orchestrator"], pair.processes["scorer0"]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stream, address, PROMPTS[i], MAX_TOKENS,
                                num_speculative_tokens=0) for i in range(8)]
         pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_running_sequences") == 8,
                       30, "8 streams running")
-        pair.kill("orchestrator", signal.SIGTERM)
-        results = [f.result(timeout=60) for f in futures]
-    assert pair.processes["orchestrator"].returncode == 0
+        scorer.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # the step under way waits on the scorer
+            orchestrator.send_signal(signal.SIGTERM)
+            results = [f.result(timeout=60) for f in futures]
+        finally:
+            scorer.send_signal(signal.SIGCONT)
+    assert orchestrator.wait(60) == 0
     for i, (tokens, _, finish, usage) in enumerate(results):
         assert finish == 3, (i, finish)  # FINISH_REASON_CANCELLED
         assert 0 < len(tokens) < MAX_TOKENS and tokens == reference(i)[:len(tokens)]
