@@ -18,7 +18,8 @@ from specdecode_stack.local import free_port, wait_process_serving
 
 class Cluster:
     def __init__(self, model_dirs: dict[str, str], log_dir: Path, *, scorers: int = 1,
-                 draft: str = "draft", k: int = 3, orchestrator_args: tuple[str, ...] = ()):
+                 proposers: int = 1, draft: str = "draft", k: int = 3,
+                 orchestrator_args: tuple[str, ...] = ()):
         self.dirs, self.log_dir, self.k = model_dirs, log_dir, k
         self.draft = model_dirs.get(draft, draft)
         self.orchestrator_args = orchestrator_args
@@ -26,6 +27,7 @@ class Cluster:
         self.metrics_ports: dict[str, int] = {}
         self.processes: dict[str, subprocess.Popen] = {}
         self.scorers = [f"scorer{i}" for i in range(scorers)]
+        self.proposers = ["proposer", *(f"proposer{i}" for i in range(1, proposers))]
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -56,16 +58,16 @@ class Cluster:
         # Fixed k: the random tiny models accept next to nothing, so adaptive k would stop
         # speculating, and these tests watch speculation go and come back.
         process = self._spawn(
-            name, "orchestrator", "--proposer", self.address("proposer"),
+            name, "orchestrator", "--proposer", ",".join(self.address(p) for p in self.proposers),
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
             "--num-speculative-tokens", str(self.k), "--speculation", "fixed",
             "--health-interval", "0.5", "--http-port", "0", *self.orchestrator_args, *args)
         wait_process_serving(self.address(name), 120, process)
 
     def start(self) -> Cluster:
-        for name in [*self.scorers, "proposer"]:
+        for name in [*self.scorers, *self.proposers]:
             self.start_service(name, wait=False)
-        for name in [*self.scorers, "proposer"]:
+        for name in [*self.scorers, *self.proposers]:
             wait_process_serving(self.address(name), 120, self.processes[name])
         self.start_orchestrator()
         return self

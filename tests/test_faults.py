@@ -1,6 +1,7 @@
 """Faults and scale-out over real processes on 127.0.0.1 (docs/design.md, invariant 6): a proposer
-killed mid-stream, scorer replicas killed and restarted, a scorer gone for good, two
-orchestrators sharing a scorer, SIGTERM past the grace, and a soak. Every output is compared
+killed mid-stream, scorer and proposer replicas killed and restarted, a scorer gone for good
+or hung past its deadline, two orchestrators sharing a scorer, SIGTERM past the grace, and
+soaks. Every output is compared
 token for token with the target model's own greedy decoding.
 
 Timing bounds are the configured deadlines (what the design promises), not speeds: the
@@ -76,7 +77,7 @@ def health(address: str) -> int:
 
 def held_sequences(cluster: Cluster) -> dict[str, float]:
     held = {name: cluster.metric(name, "specdecode_kv_cache_sequences")
-            for name in [*cluster.scorers, "proposer"]}
+            for name in [*cluster.scorers, *cluster.proposers]}
     held["orchestrator"] = cluster.metric("orchestrator", "specdecode_running_sequences")
     return held
 
@@ -321,7 +322,7 @@ def test_sigterm_cancels_streams_that_outlive_the_grace(pair, reference):
 
 @pytest.fixture(scope="module")
 def trio(tiny_model_dirs, tmp_path_factory):
-    cluster = Cluster(tiny_model_dirs, tmp_path_factory.mktemp("trio"), scorers=3,
+    cluster = Cluster(tiny_model_dirs, tmp_path_factory.mktemp("trio"), scorers=3, proposers=2,
                       orchestrator_args=("--scorer-retry-timeout", str(SCORER_RETRY_S)))
     try:
         yield cluster.start()
@@ -382,6 +383,42 @@ def test_scorer_replica_killed_mid_stream(trio, reference):
     assert trio.metric("orchestrator", "specdecode_replica_steps_total", label) > before
     print(f"\nkilled {busiest}: largest token gap "
           f"{max(max_gap(t) for _, t, _, _ in results):.2f}s (bound {SCORER_RETRY_S}s)")
+
+
+def test_proposer_replica_killed_mid_stream(trio, reference):
+    """Two proposer replicas, the busier one killed with kill -9 mid-stream and restarted:
+    its sequences move to the other replica at once (fallback to no speculation for at most
+    the step under way, not for the whole outage), the output is the target's, and the
+    restarted replica takes a share again."""
+    address = trio.address("orchestrator")
+    fallback = lambda: trio.metric("orchestrator",
+                                   "specdecode_proposer_fallback_sequences_total")
+    steps = lambda name: trio.metric("orchestrator", "specdecode_replica_steps_total",
+                                     f'replica="{trio.address(name)}"')
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(stream, address, PROMPTS[i], MAX_TOKENS) for i in range(8)]
+        trio.wait_for(lambda: trio.metric("orchestrator", "specdecode_generation_tokens_total")
+                      > 100, 60, "streams under way")
+        victim, survivor = sorted(trio.proposers, key=lambda p: -trio.metric(
+            "orchestrator", "specdecode_replica_sequences", f'replica="{trio.address(p)}"'))
+        fallback0, survivor0 = fallback(), steps(survivor)
+        trio.kill(victim)
+        trio.start_service(victim)  # same port; waits for SERVING
+        results = [f.result(timeout=300) for f in futures]
+    fell_back, took_over = fallback() - fallback0, steps(survivor) - survivor0
+    for i, (tokens, *_) in enumerate(results):
+        assert tokens == reference(i), i
+    assert took_over > 0
+    assert fell_back <= 16, fell_back  # 8 streams: at most two steps' worth
+    trio.wait_for(lambda: trio.metric("orchestrator", "specdecode_replica_up",
+                                      f'replica="{trio.address(victim)}"') == 1, 10,
+                  "the restarted proposer replica is back on the ring")
+    before = steps(victim)
+    run_streams(address, list(range(8)), 16)
+    assert steps(victim) > before
+    print(f"\nkilled {victim}: {fell_back:.0f} sequence-steps without proposals, "
+          f"{took_over:.0f} proposer calls to {survivor} meanwhile; back on the ring after "
+          f"its restart")
 
 
 def soak(cluster: Cluster, reference, streams: int, seconds: float, restart_every: float,
