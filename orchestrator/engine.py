@@ -24,6 +24,7 @@ import torch
 
 from orchestrator import deadlines
 from orchestrator.rejection_sampler import RejectionSampler
+from orchestrator.service_stats import ServiceStats, snapshot, step_stats
 from orchestrator.speculation_policy import Candidate, SpeculationPolicy
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
@@ -140,6 +141,7 @@ class StepStats:
     total_s: float = 0.0
     bytes_sent: int = 0  # to the proposer and scorer (remote services only)
     bytes_received: int = 0
+    services: dict[str, ServiceStats] = field(default_factory=dict)  # by role
 
 
 def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
@@ -295,11 +297,9 @@ class SpecDecodeEngine:
         k = self.k if own is None else min(own, self.k)
         return max(0, min(k, self.max_model_len - len(seq.token_ids) - 1))
 
-    def _wire_bytes(self) -> tuple[int, int]:
-        """Bytes sent to and received from remote services so far (0 in-process)."""
-        parts = (self.proposer, self.scorer)
-        return (sum(getattr(p, "bytes_sent", 0) for p in parts),
-                sum(getattr(p, "bytes_received", 0) for p in parts))
+    def _service_counters(self) -> dict[str, ServiceStats]:
+        """Cumulative counters of the remote services (zeros in-process)."""
+        return {"proposer": snapshot(self.proposer), "scorer": snapshot(self.scorer)}
 
     def step(self) -> list[StepOutput]:
         plan = plan_step(list(self.running.values()), self._cap, self.max_num_batched_tokens)
@@ -325,12 +325,14 @@ class SpecDecodeEngine:
                 "specdecode.new_tokens": stats.new_tokens,
                 "specdecode.finished": stats.finished,
                 "specdecode.wire.bytes_sent": stats.bytes_sent,
-                "specdecode.wire.bytes_received": stats.bytes_received})
+                "specdecode.wire.bytes_received": stats.bytes_received,
+                **{f"specdecode.{role}.{name}": value for role, service in stats.services.items()
+                   for name, value in vars(service).items()}})
         return outputs
 
     def _step(self, step_plan: list[tuple[Sequence, int | None]]) -> list[StepOutput]:
         start = time.perf_counter()
-        sent0, received0 = self._wire_bytes()
+        counters = self._service_counters()
         seqs = [s for s, _ in step_plan]
         chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
         plan = self.policy.plan([Candidate(s.seq_id, 0 if c is not None else self._cap(s))
@@ -408,9 +410,11 @@ class SpecDecodeEngine:
             del self.running[seq.request.request_id]
         self._release(finished)
         stats.finished = len(finished)
-        sent1, received1 = self._wire_bytes()
-        stats.bytes_sent, stats.bytes_received = sent1 - sent0, received1 - received0
         stats.total_s = time.perf_counter() - start
+        stats.services = {role: step_stats(counters[role], after, stats.total_s)
+                          for role, after in self._service_counters().items()}
+        stats.bytes_sent = sum(s.bytes_sent for s in stats.services.values())
+        stats.bytes_received = sum(s.bytes_received for s in stats.services.values())
         # A step whose proposer failed or timed out (orchestrator.fanout) says nothing of the
         # proposer's cost: its time is not learned.
         if not (k and getattr(self.proposer, "last_fallback", 0)):

@@ -151,6 +151,14 @@ class _Routed:
     def bytes_received(self) -> int:
         return self.replicas.bytes_received
 
+    @property
+    def service_seconds(self) -> float:
+        return self.replicas.total("service_seconds")
+
+    @property
+    def full_resends(self) -> int:
+        return self.replicas.total("full_resends")
+
 
 class RoutedScorer(_Routed, SpeculativeScorer):
     keeps_last = staticmethod(_slow)
@@ -245,14 +253,15 @@ class RoutedProposer(_Routed, SpeculativeProposer):
 
 def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str, int]],
                      options: ResilienceOptions, connect_timeout_s: float,
-                     security: ServiceSecurity = ServiceSecurity(),
+                     security: ServiceSecurity = ServiceSecurity(), deltas: bool = True,
                      ) -> tuple[RoutedProposer, RoutedScorer, ModelInfo, ModelInfo]:
     """Both services' replica sets, started (ServiceUnreachableError if either has no
     replica SERVING within connect_timeout_s), with their model infos; `security`: TLS and
-    token of their channels."""
+    token of their channels; `deltas`: step calls carry sequence deltas (orchestrator.delta),
+    tracked per replica."""
     def replica_set(role: str, spec: str, client) -> ReplicaSet:
         return ReplicaSet(role, spec, lambda channel, address: client(
-            channel, HOUSEKEEPING_TIMEOUT_S, address), channel_options,
+            channel, HOUSEKEEPING_TIMEOUT_S, address, deltas), channel_options,
             health_interval_s=options.health_interval_s,
             resolve_interval_s=options.resolve_interval_s, security=security)
     proposers = replica_set("proposer", proposer, RemoteProposer)

@@ -6,7 +6,7 @@ place acceptance is counted. The acceptance gauges have vLLM 0.4.2's meanings
 sequences x (k+1)), NaN when a denominator is 0), read at scrape time from the same
 AcceptanceTotals that vLLM 0.4.2's AsyncMetricsCollector reads (it logs them every
 SPECDECODE_METRICS_LOG_INTERVAL seconds). Labels are bounded: phase, direction, outcome,
-position <= 16. No request ids.
+role, position <= 16. No request ids.
 """
 
 from __future__ import annotations
@@ -52,6 +52,16 @@ STEP_SECONDS = Histogram("specdecode_step_duration_seconds", "Time of one whole 
                          buckets=LATENCY_BUCKETS)
 WIRE = Histogram("specdecode_step_wire_bytes", "Bytes on the wire per step, to and from the "
                  "proposer and scorer.", ["direction"], buckets=BYTES_BUCKETS)
+SERVICE_WIRE = Counter("specdecode_service_wire_bytes", "Bytes on the wire to and from each "
+                       "service.", ["role", "direction"])
+SERVICE_BUSY = Histogram("specdecode_step_service_busy_seconds", "Per step, the time each "
+                         "service reported working on the step's calls.", ["role"],
+                         buckets=LATENCY_BUCKETS)
+SERVICE_IDLE = Histogram("specdecode_step_service_idle_seconds", "Per step, the step's time "
+                         "minus the service's busy time.", ["role"], buckets=LATENCY_BUCKETS)
+FULL_RESENDS = Counter("specdecode_full_resends", "Sequences resent in full within a step "
+                       "because the service lacked their prefix (restart, eviction, another "
+                       "replica).", ["role"])
 REQUESTS = Counter("specdecode_requests", "Requests finished, by outcome.", ["outcome"])
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
@@ -113,3 +123,9 @@ class StepMetrics:
             PHASE.labels(phase).observe(max(seconds, 0.0))
         WIRE.labels("sent").observe(step.bytes_sent)
         WIRE.labels("received").observe(step.bytes_received)
+        for role, service in step.services.items():
+            SERVICE_WIRE.labels(role, "sent").inc(service.bytes_sent)
+            SERVICE_WIRE.labels(role, "received").inc(service.bytes_received)
+            SERVICE_BUSY.labels(role).observe(service.busy_s)
+            SERVICE_IDLE.labels(role).observe(service.idle_s)
+            FULL_RESENDS.labels(role).inc(service.full_resends)

@@ -1,6 +1,8 @@
 """The proposer and scorer as seen from the orchestrator: gRPC clients that implement the
 same one-method interfaces as the in-process proposers and scorers, so the engine cannot
-tell them apart. Each counts the bytes it sends and receives.
+tell them apart. Each counts the bytes it sends and receives, the sequences it had to resend
+in full, and the time the service reported busy. Step requests carry sequence deltas
+(orchestrator.delta: what this replica last received) unless built with deltas=False.
 
 Every call made under a sampled span gets a CLIENT span, and the current trace context
 travels in the call's metadata (W3C traceparent), so the service's server span is the
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from orchestrator.delta import DeltaEncoder
 from specdecode import tracing, wire
 from orchestrator.routing import split_address
 from specdecode.auth import with_token
@@ -103,15 +106,41 @@ class _Remote:
 
     service = ""  # the full gRPC service name
 
-    def __init__(self, channel: grpc.Channel, stub, timeout_s: float, address: str = ""):
+    def __init__(self, channel: grpc.Channel, stub, timeout_s: float, address: str = "",
+                 deltas: bool = True):
         self.channel = channel
         self.stub, self.timeout_s = stub(channel), timeout_s
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.full_resends = 0  # sequences resent in full because the replica lacked them
+        self.service_seconds = 0.0  # time the replica reported busy on step calls
         self.peer = address
         host, _, port = address.rpartition(":")  # OpenTelemetry: server.address, server.port apart
         self._peer_attributes = ({"server.address": host.strip("[]"), "server.port": int(port)}
                                  if port.isdigit() else {"server.address": address})
+        self.deltas = DeltaEncoder() if deltas else None
+
+    def _step_call(self, name: str, req: ExecuteModelRequest, build, timeout: float | None):
+        """A step call whose request is `build(encoded step request)`: sequences travel in
+        the delta form where this replica received them before; those it reports missing
+        (restarted, evicted, new to it) are resent in full, once, within the same step."""
+        if self.deltas is None:
+            response = self._call(name, build(_encode_request(req)), timeout)
+        else:
+            response = self._call(name, build(self.deltas.encode(req)), timeout)
+            if response.missing_seq_ids:
+                missing = set(response.missing_seq_ids)
+                self.full_resends += len(missing)
+                self.deltas.forget(missing)
+                response = self._call(name, build(self.deltas.encode(req, full=missing)),
+                                      timeout)
+                if response.missing_seq_ids:  # sequences in the full form cannot be missing
+                    raise RuntimeError(f"the {self.service} at {self.peer} reported sequences "
+                                       f"{list(response.missing_seq_ids)} missing after a full "
+                                       f"resend")
+            self.deltas.commit(req)
+        self.service_seconds += response.service_seconds
+        return response
 
     def _call(self, name: str, request, timeout: float | None = None):
         with tracing.child_span(f"{self.service}/{name}", {
@@ -144,6 +173,8 @@ class _Remote:
     def release_sequences(self, seq_ids: list[int]) -> int:
         if not seq_ids:
             return 0
+        if self.deltas is not None:
+            self.deltas.forget(seq_ids)
         request = model_info_pb2.ReleaseSequencesRequest(seq_ids=seq_ids)
         return self._call("ReleaseSequences", request).released
 
@@ -151,14 +182,16 @@ class _Remote:
 class RemoteProposer(_Remote, SpeculativeProposer):
     service = "specdecode.v1.ProposerService"
 
-    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = ""):
-        super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s, address)
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = "",
+                 deltas: bool = True):
+        super().__init__(channel, proposer_service_pb2_grpc.ProposerServiceStub, timeout_s,
+                         address, deltas)
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest,
                       timeout: float | None = None) -> SpeculativeProposals:
-        request = proposer_service_pb2.GetProposalsRequest(
-            request=_encode_request(execute_model_req))
-        response = self._call("GetProposals", request, timeout)
+        response = self._step_call("GetProposals", execute_model_req,
+                                   lambda encoded: proposer_service_pb2.GetProposalsRequest(
+                                       request=encoded), timeout)
         return wire.proposals_from_proto(response.proposals, "proposals",
                                          batch_size=len(execute_model_req.seq_group_metadata_list))
 
@@ -166,16 +199,18 @@ class RemoteProposer(_Remote, SpeculativeProposer):
 class RemoteScorer(_Remote, SpeculativeScorer):
     service = "specdecode.v1.ScorerService"
 
-    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = ""):
-        super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s, address)
+    def __init__(self, channel: grpc.Channel, timeout_s: float = 60.0, address: str = "",
+                 deltas: bool = True):
+        super().__init__(channel, scorer_service_pb2_grpc.ScorerServiceStub, timeout_s,
+                         address, deltas)
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals,
                         timeout: float | None = None) -> SpeculativeScores:
-        request = scorer_service_pb2.ScoreProposalsRequest(
-            request=_encode_request(execute_model_req),
-            proposals=wire.proposals_to_proto(proposals))
-        response = self._call("ScoreProposals", request, timeout)
+        encoded_proposals = wire.proposals_to_proto(proposals)
+        response = self._step_call("ScoreProposals", execute_model_req,
+                                   lambda encoded: scorer_service_pb2.ScoreProposalsRequest(
+                                       request=encoded, proposals=encoded_proposals), timeout)
         return wire.scores_from_proto(response.scores, "scores",
                                       batch_size=len(execute_model_req.seq_group_metadata_list),
                                       num_positions=execute_model_req.num_lookahead_slots + 1)

@@ -49,6 +49,8 @@ REPLICA_FAILURES = Counter("specdecode_replica_failures",
                            ["service", "replica"])
 
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
+# What each replica's client counts (orchestrator.remote), summed over the set.
+COUNTERS = ("bytes_sent", "bytes_received", "service_seconds", "full_resends")
 HEALTH_TIMEOUT_S = 2.0
 
 
@@ -84,7 +86,7 @@ class ReplicaSet:
         self._owner: dict[int, str] = {}  # running sequence -> its replica in the last step
         self._touched: dict[int, set[str]] = {}  # running sequence -> replicas that saw it
         self._none_up_since: float | None = time.monotonic()
-        self._gone_bytes = [0, 0]  # sent, received by replicas no longer resolved
+        self._gone: dict[str, float] = {}  # client counters of replicas no longer resolved
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"{role}-health", daemon=True)
 
@@ -109,8 +111,8 @@ class ReplicaSet:
             with self._lock:
                 replica = self._replicas.pop(address)
             replica.client.channel.close()
-            self._gone_bytes[0] += replica.client.bytes_sent
-            self._gone_bytes[1] += replica.client.bytes_received
+            for counter in COUNTERS:
+                self._gone[counter] = self._gone.get(counter, 0) + getattr(replica.client, counter)
             for metric in (REPLICA_UP, REPLICA_SEQUENCES):
                 metric.remove(self.role, address)
 
@@ -296,13 +298,16 @@ class ReplicaSet:
             log.warning("%s replica %s: releasing %d sequences failed: %s", self.role, address,
                         len(seq_ids), exc.code().name)
 
+    def total(self, counter: str):
+        """A client counter (one of COUNTERS) summed over every replica there has been."""
+        with self._lock:
+            return self._gone.get(counter, 0) + sum(getattr(r.client, counter)
+                                                    for r in self._replicas.values())
+
     @property
     def bytes_sent(self) -> int:
-        with self._lock:
-            return self._gone_bytes[0] + sum(r.client.bytes_sent for r in self._replicas.values())
+        return self.total("bytes_sent")
 
     @property
     def bytes_received(self) -> int:
-        with self._lock:
-            return self._gone_bytes[1] + sum(r.client.bytes_received
-                                             for r in self._replicas.values())
+        return self.total("bytes_received")

@@ -27,7 +27,8 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                              resilience: ResilienceOptions = ResilienceOptions(),
                              speculation: str = "adaptive", http_port: int = 0, *,
                              security: ServiceSecurity = ServiceSecurity(),
-                             admission: AdmissionConfig = AdmissionConfig()) -> None:
+                             admission: AdmissionConfig = AdmissionConfig(),
+                             sequence_deltas: bool = True) -> None:
     """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
     trace_every: keep every Nth step span (1 = all, 0 = request spans only).
@@ -60,7 +61,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     def load():
         proposer, scorer, p_info, s_info = connect_services(
             proposer_address, scorer_address, options.channel_options, resilience,
-            connect_timeout_s, security)
+            connect_timeout_s, security, sequence_deltas)
         parts["services"] = (proposer, scorer)
         check_compatible(p_info, s_info)
         tok = None

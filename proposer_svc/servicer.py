@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import logging
 from dataclasses import dataclass
 
@@ -60,10 +61,16 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
 
     @map_errors
     async def GetProposals(self, request, context):
-        req = decode_request(request.request, self._request_limits(), self.limits)
+        start = time.perf_counter()
+        req, missing = decode_request(request.request, self._request_limits(), self.sequences,
+                                      self.limits)
+        if missing:
+            return proposer_service_pb2.GetProposalsResponse(missing_seq_ids=missing)
         proposals = await self.model.run(self.proposer.get_proposals, req)
-        return proposer_service_pb2.GetProposalsResponse(
+        response = proposer_service_pb2.GetProposalsResponse(
             proposals=wire.proposals_to_proto(proposals))
+        response.service_seconds = time.perf_counter() - start
+        return response
 
     def _request_limits(self) -> ModelInfo:
         # The n-gram proposer checks ids against nothing; the scorer validates them.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from scorer_svc.methods import SCORING_CHOICES, make_scorer
@@ -47,7 +48,10 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
 
     @map_errors
     async def ScoreProposals(self, request, context):
-        req = decode_request(request.request, self.info, self.limits)
+        start = time.perf_counter()
+        req, missing = decode_request(request.request, self.info, self.sequences, self.limits)
+        if missing:
+            return scorer_service_pb2.ScoreProposalsResponse(missing_seq_ids=missing)
         proposals = wire.proposals_from_proto(request.proposals, "proposals",
                                               batch_size=len(req.seq_group_metadata_list),
                                               vocab_size=self.info.vocab_size)
@@ -63,4 +67,6 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
         if scores.logprobs is not None:  # rows nobody asked for travel as zeros (sparse)
             asked = [sg.sampling_params.logprobs is not None for sg in req.seq_group_metadata_list]
             scores.logprobs[[i for i, a in enumerate(asked) if not a]] = 0.0
-        return scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))
+        response = scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))
+        response.service_seconds = time.perf_counter() - start
+        return response

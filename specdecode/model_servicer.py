@@ -1,6 +1,7 @@
 """What the proposer and scorer servicers share: GetModelInfo, ReleaseSequences, one model
 call at a time (specdecode.model_access: stopped when its caller is gone), and decoding a
-step's request against the served model and this service's limits (specdecode.limits)."""
+step's request (sequence deltas completed from the service's TokenStore) against the served
+model and this service's limits (specdecode.limits)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from specdecode.model_access import ModelAccess
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
 from specdecode.server import Deferred, map_errors
+from specdecode.token_store import TokenStore, resolve_request
 from specdecode.v1 import model_info_pb2
 
 
@@ -22,6 +24,7 @@ class ModelServicer(Deferred):
     def __init__(self, limits: ServiceLimits = ServiceLimits()):
         self.model = ModelAccess()
         self.limits = limits
+        self.sequences = TokenStore()  # what each sequence's delta requests extend
 
     @property
     def model_name(self) -> str:
@@ -37,18 +40,25 @@ class ModelServicer(Deferred):
 
     @map_errors
     async def ReleaseSequences(self, request, context):
+        self.sequences.release(request.seq_ids)
         released = await self.model.run(self._core().release_sequences, list(request.seq_ids))
         return model_info_pb2.ReleaseSequencesResponse(released=released)
 
 
-def decode_request(m, info: ModelInfo,
-                   limits: ServiceLimits = ServiceLimits()) -> ExecuteModelRequest:
-    """Check the step's batch against this service's limits, decode it, and validate it
-    against this service's model."""
+def decode_request(m, info: ModelInfo, store: TokenStore,
+                   limits: ServiceLimits = ServiceLimits(),
+                   ) -> tuple[ExecuteModelRequest | None, list[int]]:
+    """Check the step's batch against this service's limits and decode it; its sequences may
+    travel in the delta form: (the request with every sequence's full ids, validated against
+    this service's model, []), or (None, ids of the delta sequences whose prefix `store`
+    does not hold)."""
     limits.check(m, info.max_model_len)
     req = wire.request_from_proto(m, field="request")
+    missing = resolve_request(m, req, store)
+    if missing:
+        return None, missing
     try:
         req.validate(info.vocab_size, info.max_model_len)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"request.{exc.field}", exc.detail) from None
-    return req
+    return req, []

@@ -45,7 +45,7 @@ DEFAULTS = StackConfig()  # the defaults `serve`, `up`, `demo` and `generate` sh
 
 def opt(*names, **kw):
     """An option that also reads SPECDECODE_<NAME> from the environment."""
-    long = next(n for n in names if n.startswith("--"))
+    long = next(n for n in names if n.startswith("--")).split("/")[0]  # --x/--no-x: X
     return click.option(*names, envvar="SPECDECODE_" + long[2:].upper().replace("-", "_"),
                         show_default=True, show_envvar=True, **kw)
 
@@ -291,6 +291,10 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
 @opt("--service-token-file", default=None, type=click.Path(dir_okay=False),
      help="File whose first token is sent as a bearer token to the proposer and scorer "
           "(their --auth-token-file), for clusters without mutual TLS.")
+@opt("--sequence-deltas/--no-sequence-deltas", default=True,
+     help="After a sequence's first step, send each service replica only the tokens appended "
+          "since it last received the sequence, with the prefix's length and hash (a replica "
+          "that lacks the prefix gets the sequence in full); off = full token ids every step.")
 @admission_options
 @server_options(DEFAULTS.port)
 @telemetry_options
@@ -301,7 +305,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        trace_console, log_format, service_tls_ca, service_tls_cert,
                        service_tls_key, service_token_file, max_prompt_tokens,
                        max_running_requests, max_queued_requests, max_num_batched_tokens,
-                       **server) -> None:
+                       sequence_deltas, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
     from orchestrator.admission import AdmissionConfig
@@ -327,7 +331,8 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
         return run(_server(**server, max_receive_bytes=admission.max_request_bytes),
                    proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
                    default_max_tokens, trace_steps, resilience, speculation, http_port,
-                   security=ServiceSecurity(tls, token), admission=admission)
+                   security=ServiceSecurity(tls, token), admission=admission,
+                   sequence_deltas=sequence_deltas)
     _run_server("orchestrator", start, trace_console, log_format)
 
 

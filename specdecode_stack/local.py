@@ -68,6 +68,7 @@ class LocalStack:
                                   "scorer": f"127.0.0.1:{free_port()}",
                                   "orchestrator": self.address}
         self.metrics_ports = {role: free_port() for role in self.service_addresses}
+        self._args: dict[str, tuple[str, ...]] = {}  # each server's arguments, for restart
 
     def _spawn(self, role: str, *args: str) -> subprocess.Popen:
         # Ports are picked as late as possible: a free port can be taken by anyone's
@@ -78,6 +79,7 @@ class LocalStack:
         # 5x slower per step on 2 cores), so they sleep instead unless the caller says otherwise.
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
                "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
+        self._args[role] = args
         cmd = [sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
                "--grace-seconds", str(self.config.grace_seconds),
                "--metrics-port", str(self.metrics_ports[role]), *args]
@@ -132,6 +134,15 @@ class LocalStack:
             self.stop()
             raise
         return self.address
+
+    def restart(self, role: str, timeout_s: float = 300.0) -> None:
+        """Stop one server (SIGTERM: it drains) and start it again on the same address with
+        the same arguments and no state; returns once it reports SERVING."""
+        process = self.processes[role]
+        process.send_signal(signal.SIGTERM)
+        process.wait(self.config.grace_seconds + 15)
+        wait_process_serving(self.service_addresses[role], timeout_s,
+                             self._spawn(role, *self._args[role]))
 
     def stop(self, timeout_s: float | None = None) -> dict[str, int | None]:
         """SIGTERM the orchestrator first (it drains), then the services; exit codes."""

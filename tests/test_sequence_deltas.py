@@ -1,0 +1,140 @@
+"""Per-step traffic that grows with new tokens, not context: sequence deltas (the
+orchestrator's DeltaEncoder, a service's TokenStore) and the full resend when a service
+lacks a prefix, down to a scorer or proposer restarted mid-stream."""
+
+from __future__ import annotations
+
+import re
+import signal
+import urllib.request
+
+import pytest
+
+from orchestrator.client import SpecDecodeClient
+from orchestrator.delta import DeltaEncoder
+from specdecode_stack.local import LocalStack, StackConfig
+from specdecode import wire
+from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
+                                 SequenceGroupMetadata)
+from specdecode.token_store import TokenStore, extend_hash, resolve_request
+from tests.conftest import reference_greedy
+
+
+def request(seqs: dict[int, tuple[list[int], list[int]]], k: int = 3) -> ExecuteModelRequest:
+    return ExecuteModelRequest([
+        SequenceGroupMetadata(f"r{sid}", not out, {sid: SequenceData(prompt, list(out))},
+                              SamplingParams(temperature=0.5, top_p=0.9, seed=sid))
+        for sid, (prompt, out) in seqs.items()], k)
+
+
+def receive(store: TokenStore, encoded) -> tuple[ExecuteModelRequest, list[int]]:
+    """What a service does with a step request: decode, then complete from its store."""
+    req = wire.request_from_proto(encoded)
+    return req, resolve_request(encoded, req, store)
+
+
+def test_store_rebuilds_checks_the_hash_and_rolls_back():
+    store = TokenStore()
+    store.put(7, SequenceData([1, 2, 3], [4]))
+    h4 = extend_hash(0, [1, 2, 3, 4])
+    assert store.extend(7, 4, h4, [5, 6]) == SequenceData([1, 2, 3], [4, 5, 6])
+    assert store.extend(7, 4, h4 + 1, [5]) is None  # another prefix
+    assert store.extend(7, 2, extend_hash(0, [1, 2]), []) is None  # shorter than the prompt
+    assert store.extend(8, 4, h4, [5]) is None  # never seen
+    # A delta against an older length (the caller never saw the last call succeed) still
+    # resolves: the record keeps a hash per length and rolls back to the prefix.
+    assert store.extend(7, 4, h4, [9]) == SequenceData([1, 2, 3], [4, 9])
+    assert store.extend(7, 6, extend_hash(0, [1, 2, 3, 4, 5, 6]), []) is None
+    store.put(7, SequenceData([1, 2, 3], [4, 9, 10]))  # full form extends the record
+    assert store.num_tokens == 6 and store.release([7, 8]) == 1 and store.num_tokens == 0
+
+
+def test_store_is_bounded_least_recently_used_first():
+    store = TokenStore(max_sequences=2, max_tokens=10)
+    for sid in (1, 2, 3):
+        store.put(sid, SequenceData([sid] * 3))
+    assert len(store) == 2 and store.extend(1, 3, extend_hash(0, [1] * 3), []) is None
+    store.extend(2, 3, extend_hash(0, [2] * 3), [0] * 4)  # 7 + 3 tokens: at the bound
+    store.put(4, SequenceData([4] * 2))  # over it: sequence 3 (least recent) goes
+    assert store.num_tokens == 9 and store.extend(3, 3, extend_hash(0, [3] * 3), []) is None
+
+
+def test_deltas_round_trip_and_do_not_grow_with_context():
+    encoder, store = DeltaEncoder(), TokenStore()
+    sizes = {}
+    for context in (256, 4096):
+        prompt = [t % 200 for t in range(context)]
+        first = request({context: (prompt, [])})
+        got, missing = receive(store, encoder.encode(first))
+        assert not missing and got == first
+        encoder.commit(first)
+        out = []
+        for step in range(4):  # each step appends 1..3 tokens
+            out += [step] * (1 + step % 3)
+            req = request({context: (prompt, out)})
+            encoded = encoder.encode(req)
+            got, missing = receive(store, encoded)
+            assert not missing and got == req, step
+            encoder.commit(req)
+        sizes[context] = encoded.ByteSize()
+    # The 4096-token prompt is not resent; only varint widths (id, length) differ.
+    assert abs(sizes[4096] - sizes[256]) <= 4 and sizes[4096] < 128, sizes
+
+
+def test_missing_prefix_is_reported_and_resent_in_full():
+    encoder = DeltaEncoder()
+    first = request({1: ([5, 6, 7], []), 2: ([8, 9], [])})
+    encoder.commit(first)
+    step = request({1: ([5, 6, 7], [1]), 2: ([8, 9], [2, 3])})
+    fresh = TokenStore()  # a restarted service: holds nothing
+    fresh.put(2, SequenceData([8, 9]))
+    _, missing = receive(fresh, encoder.encode(step))
+    assert missing == [1]
+    got, missing = receive(fresh, encoder.encode(step, full={1}))
+    assert not missing and got == step
+
+
+# -- through the stack ----------------------------------------------------------------------
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+MAX_TOKENS = 120
+
+
+def full_resends(stack: LocalStack) -> dict[str, float]:
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
+    return {role: float(m.group(1)) if (m := re.search(
+        rf'^specdecode_full_resends_total{{role="{role}"}} (\S+)$', body, re.M)) else 0.0
+        for role in ("proposer", "scorer")}
+
+
+def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_dirs,
+                                                                   target_model):
+    """A service restarted mid-stream holds no sequence: its next step call names the
+    sequence missing, the orchestrator resends it in full within that step, and the stream
+    equals target-only greedy decoding; first the scorer restarts under one stream, then the
+    proposer under another. (The orchestrator is paused while a service restarts, so no
+    step call meets the half-started server: this test is about state, not retries.)"""
+    want = reference_greedy(target_model, PROMPT, MAX_TOKENS)
+    with LocalStack(StackConfig(target_model=tiny_model_dirs["target"],
+                                draft_model=tiny_model_dirs["draft"], tokenizer="none",
+                                device="cpu", num_speculative_tokens=3, port=0,
+                                # a fixed k: the proposer is asked every step
+                                extra_env={"SPECDECODE_SPECULATION": "fixed"})) as stack, \
+            SpecDecodeClient(stack.address) as client:
+        resends = [full_resends(stack)]
+        for role in ("scorer", "proposer"):
+            stream = client.stream(PROMPT, max_tokens=MAX_TOKENS)
+            tokens = list(next(stream).token_ids)
+            orchestrator = stack.processes["orchestrator"]
+            orchestrator.send_signal(signal.SIGSTOP)
+            try:
+                stack.restart(role)
+            finally:
+                orchestrator.send_signal(signal.SIGCONT)
+            tokens += [t for r in stream for t in r.token_ids]
+            assert tokens == want, role
+            resends.append(full_resends(stack))
+    assert resends[0] == {"scorer": 0, "proposer": 0}
+    assert resends[1]["scorer"] >= 1 and resends[1]["proposer"] == 0, resends  # scorer restarted
+    assert resends[2]["proposer"] >= 1 and resends[2]["scorer"] == resends[1]["scorer"], resends
