@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from orchestrator import deadlines
+from orchestrator.overlap import OverlapPipeline, Planned
 from orchestrator.rejection_sampler import RejectionSampler
 from orchestrator.service_stats import ServiceStats, snapshot, step_stats
-from orchestrator.speculation_policy import Candidate, SpeculationPolicy
+from orchestrator.speculation_policy import Candidate, Plan, SpeculationPolicy
 from specdecode import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
@@ -216,9 +217,11 @@ class SpecDecodeEngine:
                  vocab_size: int, max_model_len: int, num_speculative_tokens: int,
                  sampler: RejectionSampler | None = None, trace_every: int = 1,
                  policy: SpeculationPolicy | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, overlap: bool = False):
         """policy: picks each sequence's k per step (default: fixed k, every sequence
         speculating num_speculative_tokens or its request's smaller value).
+        overlap: two groups of sequences alternate between proposer and scorer
+        (orchestrator.overlap); prompts then join whole (no chunked prefill).
         max_num_batched_tokens: tokens one step may compute (None = no limit); longer
         prompts are prefilled in chunks across steps (see plan_step)."""
         if num_speculative_tokens < 0:
@@ -240,6 +243,8 @@ class SpecDecodeEngine:
         # int64 on the wire, with room for batch expansion's max(id)+1... target ids).
         self.orchestrator_id = secrets.randbits(38)
         self._seq_ids = (self.orchestrator_id << 24 | n % (1 << 24) for n in itertools.count())
+        self.pipeline = (OverlapPipeline(self._propose, lambda seqs: self._plan_request(
+            [(s, None) for s in seqs])) if overlap else None)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -263,11 +268,12 @@ class SpecDecodeEngine:
         seq = self.running.pop(request_id, None)
         if seq is not None:
             seq.finish_reason = "cancelled"
-            self._release([seq])
+            if self.pipeline is None or not self.pipeline.in_flight(seq):
+                self._release([seq])  # else once its proposals return (OverlapPipeline.take)
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return bool(self.running)
+        return bool(self.running) or (self.pipeline is not None and self.pipeline.busy())
 
     # -- the step ------------------------------------------------------------------------
 
@@ -302,7 +308,15 @@ class SpecDecodeEngine:
         return {"proposer": snapshot(self.proposer), "scorer": snapshot(self.scorer)}
 
     def step(self) -> list[StepOutput]:
-        plan = plan_step(list(self.running.values()), self._cap, self.max_num_batched_tokens)
+        """One step: the running sequences (within the token budget), or with overlap one
+        of the two groups."""
+        planned = None
+        if self.pipeline is not None:
+            seqs, planned, cancelled = self.pipeline.take(list(self.running.values()))
+            self._release(cancelled)
+            plan = [(s, None) for s in seqs]
+        else:
+            plan = plan_step(list(self.running.values()), self._cap, self.max_num_batched_tokens)
         if not plan:
             return []
         seqs = [s for s, _ in plan]
@@ -311,7 +325,7 @@ class SpecDecodeEngine:
         with tracing.step_span("spec_decode.step",
                                  [(s.request.request_id, s.request.trace_context) for s in seqs],
                                  traced, {"specdecode.step.index": index}) as span:
-            outputs = self._step(plan)
+            outputs = self._step(plan, planned)
             stats = self.last_step
             tracing.set_attributes(span, {
                 "specdecode.batch_size": stats.batch_size, "specdecode.k": stats.k,
@@ -330,28 +344,48 @@ class SpecDecodeEngine:
                    for name, value in vars(service).items()}})
         return outputs
 
-    def _step(self, step_plan: list[tuple[Sequence, int | None]]) -> list[StepOutput]:
-        start = time.perf_counter()
-        counters = self._service_counters()
-        seqs = [s for s, _ in step_plan]
+    def _plan_request(self, step_plan: list[tuple[Sequence, int | None]],
+                      ) -> tuple[Plan, ExecuteModelRequest]:
+        """Each sequence's k (the policy's) and the step's request."""
         chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
         plan = self.policy.plan([Candidate(s.seq_id, 0 if c is not None else self._cap(s))
                                  for s, c in step_plan])
         k = max(plan.ks, default=0)
         if chunks and self.k:
             k = max(k, 1)  # a chunk's one draft token (see _group)
-        req = ExecuteModelRequest([self._group(s, n, c) for (s, c), n in zip(step_plan, plan.ks)],
-                                  num_lookahead_slots=k)
+        return plan, ExecuteModelRequest(
+            [self._group(s, n, c) for (s, c), n in zip(step_plan, plan.ks)],
+            num_lookahead_slots=k)
+
+    def _propose(self, req: ExecuteModelRequest) -> SpeculativeProposals:
+        if req.num_lookahead_slots == 0:  # plain decoding: nothing to propose
+            B = len(req.seq_group_metadata_list)
+            return SpeculativeProposals(torch.full((B, 0), -1, dtype=torch.long), None,
+                                        torch.zeros(B, dtype=torch.long))
+        return self.proposer.get_proposals(req)
+
+    @staticmethod
+    def _deadline(seqs: list[Sequence]) -> float | None:
+        """The latest client deadline of the group (None when one has none)."""
         client_deadlines = [s.request.deadline for s in seqs]
-        with deadlines.bounded_by(None if None in client_deadlines else max(client_deadlines)):
-            if k == 0:  # plain decoding: nothing to propose
-                proposals = SpeculativeProposals(
-                    torch.full((len(seqs), 0), -1, dtype=torch.long), None,
-                    torch.zeros(len(seqs), dtype=torch.long))
+        return None if None in client_deadlines else max(client_deadlines)
+
+    def _step(self, step_plan: list[tuple[Sequence, int | None]],
+              planned: Planned | None = None) -> list[StepOutput]:
+        """planned: the group's proposals, requested in an earlier step (overlap)."""
+        start = time.perf_counter()
+        counters = self._service_counters()
+        seqs = [s for s, _ in step_plan]
+        chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
+        plan, req = (planned.plan, planned.req) if planned else self._plan_request(step_plan)
+        k = req.num_lookahead_slots
+        with deadlines.bounded_by(self._deadline(seqs)):
+            if planned is None and k == 0:
+                proposals = self._propose(req)
             else:
                 with tracing.child_span("propose", {"specdecode.batch_size": len(seqs),
                                                       "specdecode.k": k}) as span:
-                    proposals = self.proposer.get_proposals(req)
+                    proposals = planned.proposals() if planned else self._propose(req)
                     if chunks:  # a chunk's draft token only warmed the draft's KV state
                         proposals.proposal_lens[chunks] = 0
                         proposals.proposal_token_ids[chunks] = -1
@@ -361,6 +395,11 @@ class SpecDecodeEngine:
                         span.set_attribute("specdecode.draft_tokens",
                                            int(proposals.proposal_lens.sum()))
             t_proposed = time.perf_counter()
+            if self.pipeline is not None:  # the other group drafts while this one is scored
+                taken = {id(s) for s in seqs}
+                rest = [s for s in self.running.values() if id(s) not in taken]
+                with deadlines.bounded_by(self._deadline(rest) if rest else None):
+                    self.pipeline.prefetch(rest)
             with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
                                                 "specdecode.k": k}):
                 scores = self.scorer.score_proposals(req, proposals)

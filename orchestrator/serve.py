@@ -28,7 +28,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                              speculation: str = "adaptive", http_port: int = 0, *,
                              security: ServiceSecurity = ServiceSecurity(),
                              admission: AdmissionConfig = AdmissionConfig(),
-                             sequence_deltas: bool = True) -> None:
+                             sequence_deltas: bool = True, overlap: bool = False) -> None:
     """Connect to both services' replicas and check them (ServiceUnreachableError or
     IncompatibleModelsError end the process before it reports SERVING), then serve.
     trace_every: keep every Nth step span (1 = all, 0 = request spans only).
@@ -79,7 +79,8 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
                                   max_model_len=serving_max_model_len(p_info, s_info),
                                   num_speculative_tokens=num_speculative_tokens,
                                   trace_every=trace_every, policy=policy,
-                                  max_num_batched_tokens=admission.max_num_batched_tokens)
+                                  max_num_batched_tokens=admission.max_num_batched_tokens,
+                                  overlap=overlap)
         log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
         parts["loop"] = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                    max_running=admission.max_running)

@@ -295,6 +295,10 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
      help="After a sequence's first step, send each service replica only the tokens appended "
           "since it last received the sequence, with the prefix's length and hash (a replica "
           "that lacks the prefix gets the sequence in full); off = full token ids every step.")
+@opt("--overlap/--no-overlap", default=False,
+     help="Split the running sequences into two groups that alternate, so the proposer drafts "
+          "one while the scorer verifies the other (same output; pays when they are on "
+          "different hosts or cores; prompts are then not prefilled in chunks).")
 @admission_options
 @server_options(DEFAULTS.port)
 @telemetry_options
@@ -305,7 +309,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        trace_console, log_format, service_tls_ca, service_tls_cert,
                        service_tls_key, service_token_file, max_prompt_tokens,
                        max_running_requests, max_queued_requests, max_num_batched_tokens,
-                       sequence_deltas, **server) -> None:
+                       sequence_deltas, overlap, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
     from orchestrator.admission import AdmissionConfig
@@ -332,7 +336,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                    proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
                    default_max_tokens, trace_steps, resilience, speculation, http_port,
                    security=ServiceSecurity(tls, token), admission=admission,
-                   sequence_deltas=sequence_deltas)
+                   sequence_deltas=sequence_deltas, overlap=overlap)
     _run_server("orchestrator", start, trace_console, log_format)
 
 
