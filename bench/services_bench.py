@@ -1,11 +1,19 @@
-"""The gRPC stack vs the in-process engine vs target-only, for 1 and 8 concurrent streams,
-with wire bytes and time per step.
+"""What the hop between orchestrator, proposer and scorer costs, in one run:
 
-    python bench/services_bench.py [--models tiny,smollm2] [--repeats 3] [--out bench/results/services.json]
+1. bytes per step at 256 and 4,096 tokens of context (greedy and top-p 0.9), with sequence
+   deltas on and off (tiny random models, B=1, draft = target);
+2. the gRPC stack against the in-process engine at B=1 (draft-model speculation, k=4):
+   `--pair qwen` (Qwen2.5-Coder 0.5B -> 1.5B, bf16) or `--pair smollm2` (SmolLM2 drafting
+   for itself, float32), stack with deltas off (the old wire) and on;
+3. aggregate tokens/s at B=8 with and without overlap, proposer and scorer pinned to
+   separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, k=2), and
+   whether both runs gave the same tokens.
 
-"gRPC cost per step" is the stack's median step time minus the in-process engine's for the
-same workload: serialisation, loopback transfer and the hops between processes and threads.
-Target-only runs go through the same stack with num_speculative_tokens = 0.
+    python bench/services_bench.py [--pair qwen|smollm2] [--sections bytes,b1,overlap]
+                                   [--repeats 3] [--out bench/results/services.json]
+
+Run it under `flock /work/coord/heavy.lock` on a shared machine. Numbers are medians over
+--repeats; ratios compare runs made side by side in this one process.
 """
 
 from __future__ import annotations
@@ -25,126 +33,219 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient
-from orchestrator.engine import Request
-from specdecode.models import load_model, load_tokenizer
-from specdecode.sequence import SamplingParams
-from specdecode_stack.local import LocalStack, StackConfig
-
-from tiny_models import TinyModelSpec, build_tiny_model
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from engine_bench import CODE_PROMPTS, engine  # noqa: E402
+from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
-K = 4
+from orchestrator.client import SpecDecodeClient  # noqa: E402
+from orchestrator.engine import Request  # noqa: E402
+from specdecode.model_packages import fetch  # noqa: E402
+from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
+from specdecode.sequence import SamplingParams  # noqa: E402
+from specdecode_stack.local import LocalStack, StackConfig  # noqa: E402
 
-
-def setup(name: str, tmp: Path):
-    """(stack config, in-process target, in-process draft or "ngram", prompts)."""
-    if name == "tiny":
-        spec_t = TinyModelSpec(seed=1, hidden_size=256, num_layers=4)
-        target, draft = build_tiny_model(spec_t), build_tiny_model(spec_t)  # draft = target
-        target.save_pretrained(tmp / "target")
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (8, 16, 24, 32)]
-        config = StackConfig(target_model=str(tmp / "target"), draft_model=str(tmp / "target"),
-                             tokenizer="none", device="cpu", num_speculative_tokens=K, port=0)
-        return config, target, draft, prompts
-    target, tok = load_model(None, torch.device("cpu"), torch.float32), load_tokenizer(None)
-    config = StackConfig(device="cpu", num_speculative_tokens=K, port=0)
-    return config, target, "ngram", [tok(p).input_ids for p in CODE_PROMPTS]
+SAMPLING = {"greedy": {}, "top-p 0.9": {"temperature": 1.0, "top_p": 0.9, "seed": 3}}
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    wanted = {"steps": r"specdecode_steps_total", "bytes_sent":
-              r'specdecode_step_wire_bytes_sum\{direction="sent"\}',
-              "bytes_received": r'specdecode_step_wire_bytes_sum\{direction="received"\}',
-              "step_s": None}
-    out = {}
-    for key, pattern in wanted.items():
-        if pattern:
-            m = re.search(rf"^{pattern} (\S+)$", body, re.M)
-            out[key] = float(m.group(1)) if m else 0.0
-    out["step_s"] = sum(float(v) for v in re.findall(
-        r'^specdecode_step_phase_seconds_sum\{phase="[a-z]+"\} (\S+)$', body, re.M))
-    return out
+def scrape(stack: LocalStack) -> dict[str, float]:
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
+
+    def value(pattern: str) -> float:
+        m = re.search(rf"^{pattern} (\S+)$", body, re.M)
+        return float(m.group(1)) if m else 0.0
+    return {"steps": value("specdecode_steps_total"),
+            "bytes": value(r'specdecode_step_wire_bytes_sum\{direction="sent"\}')
+            + value(r'specdecode_step_wire_bytes_sum\{direction="received"\}'),
+            **{f"{role}_busy_s": value(rf'specdecode_step_service_busy_seconds_sum\{{role="{role}"\}}')
+               for role in ("proposer", "scorer")},
+            "resends": sum(value(rf'specdecode_full_resends_total\{{role="{r}"\}}')
+                           for r in ("proposer", "scorer"))}
 
 
-def run_stack(stack: LocalStack, prompts, streams: int, max_tokens: int, k: int | None) -> dict:
-    def one(i):
+def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
+              decode_only: bool = False, **params) -> dict:
+    """All prompts at once, one stream each: tokens/s, bytes per step, outputs. With
+    decode_only (one prompt), per-step numbers count decode steps only: from the first
+    streamed message (the prompt's own step, which sends it in full, is behind it)."""
+    before: dict[str, float] = {}
+
+    def one(prompt):
         with SpecDecodeClient(stack.address) as client:
-            return client.generate(prompts[i % len(prompts)], max_tokens=max_tokens,
-                                   num_speculative_tokens=k)
-    before = scrape(stack.metrics_ports["orchestrator"])
+            tokens = []
+            for message in client.stream(prompt, max_tokens=max_tokens, **params):
+                if decode_only and not before:
+                    time.sleep(0.2)  # the step's metrics are recorded after its message
+                    before.update(scrape(stack))
+                tokens += message.token_ids
+            return tokens
+    if not decode_only:
+        before.update(scrape(stack))
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
-        results = list(pool.map(one, range(streams)))
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outputs = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
-    after = scrape(stack.metrics_ports["orchestrator"])
-    steps = after["steps"] - before["steps"]
-    return {"tokens_per_s": sum(len(r.token_ids) for r in results) / seconds,
-            "step_ms": 1000 * (after["step_s"] - before["step_s"]) / steps,
-            "bytes_per_step": (after["bytes_sent"] - before["bytes_sent"]
-                               + after["bytes_received"] - before["bytes_received"]) / steps}
+    after = scrape(stack)
+    d = {key: after[key] - before[key] for key in after}
+    return {"tokens_per_s": sum(map(len, outputs)) / seconds,
+            "bytes_per_step": d["bytes"] / d["steps"], "step_ms": 1000 * seconds / d["steps"],
+            "proposer_busy": d["proposer_busy_s"] / seconds,
+            "scorer_busy": d["scorer_busy_s"] / seconds, "resends": d["resends"],
+            "outputs": outputs}
 
 
-def run_inprocess(target, draft, prompts, streams: int, max_tokens: int, k: int) -> dict:
-    eng = engine(target, draft, "batch-expansion", k)
-    for i in range(streams):
-        eng.add_request(Request(f"r{i}", prompts[i % len(prompts)],
-                                SamplingParams(max_tokens=max_tokens)))
-    tokens, steps, step_s = 0, 0, 0.0
+def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int) -> dict:
+    eng = engine(target, draft, scoring, 4)
     start = time.perf_counter()
-    while eng.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in eng.step())
-        steps, step_s = steps + 1, step_s + eng.last_step.total_s
-    return {"tokens_per_s": tokens / (time.perf_counter() - start),
-            "step_ms": 1000 * step_s / steps, "bytes_per_step": 0.0}
+    done = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
+                         for i, p in enumerate(prompts)])
+    seconds = time.perf_counter() - start
+    outputs = [done[f"r{i}"].output_token_ids for i in range(len(prompts))]
+    return {"tokens_per_s": sum(map(len, outputs)) / seconds, "bytes_per_step": 0.0,
+            "outputs": outputs}
+
+
+def median(runs: list[dict]) -> dict:
+    return {**{k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "outputs"},
+            "outputs": runs[-1]["outputs"]}
+
+
+def section_bytes(tmp: Path, repeats: int) -> list[dict]:
+    spec = TinyModelSpec(seed=1, max_position_embeddings=4096 + 64)
+    build_tiny_model(spec).save_pretrained(tmp / "tiny")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for deltas in (True, False):
+        config = StackConfig(target_model=str(tmp / "tiny"), draft_model=str(tmp / "tiny"),
+                             tokenizer="none", device="cpu", num_speculative_tokens=4, port=0,
+                             speculation="fixed",
+                             extra_env={"SPECDECODE_SEQUENCE_DELTAS": str(deltas).lower()})
+        with LocalStack(config) as stack:
+            for context in (256, 4096):
+                prompt = torch.randint(0, spec.vocab_size, (context,), generator=gen).tolist()
+                for name, params in SAMPLING.items():
+                    r = median([run_stack(stack, [prompt], 32, True, **params) for _ in range(repeats)])
+                    rows.append({"section": "bytes", "deltas": deltas, "context": context,
+                                 "sampling": name, **r})
+    return rows
+
+
+def load_pair(pair: str):
+    """(target dir, draft dir, dtype, scoring, prompts)."""
+    if pair == "qwen":
+        target, draft = (str(resolve_model_dir(fetch(n)))
+                         for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
+        dtype, scoring = "bfloat16", "multi-query"
+    else:
+        target = draft = str(resolve_model_dir(None))
+        dtype, scoring = "float32", "batch-expansion"
+    tok = load_tokenizer(target)
+    return target, draft, dtype, scoring, [tok(p).input_ids for p in CODE_PROMPTS]
+
+
+def section_b1(pair: str, repeats: int, max_tokens: int) -> list[dict]:
+    target_dir, draft_dir, dtype, scoring, prompts = load_pair(pair)
+    rows = []
+    target = load_model(target_dir, torch.device("cpu"), getattr(torch, dtype))
+    draft = load_model(draft_dir, torch.device("cpu"), getattr(torch, dtype))
+    r = median([run_inprocess(target, draft, scoring, prompts[:1], max_tokens)
+                for _ in range(repeats)])
+    rows.append({"section": "b1", "pair": pair, "mode": "in-process", **r})
+    del target, draft
+    for deltas in (False, True):
+        config = StackConfig(target_model=target_dir, draft_model=draft_dir, device="cpu",
+                             dtype=dtype, scoring=scoring, num_speculative_tokens=4, port=0,
+                             speculation="fixed",
+                             extra_env={"SPECDECODE_SEQUENCE_DELTAS": str(deltas).lower()})
+        with LocalStack(config) as stack:
+            r = median([run_stack(stack, prompts[:1], max_tokens) for _ in range(repeats)])
+        rows.append({"section": "b1", "pair": pair,
+                     "mode": f"stack, deltas {'on' if deltas else 'off'}", **r})
+    return rows
+
+
+def section_overlap(repeats: int, max_tokens: int) -> list[dict]:
+    target_dir, _, _, _, prompts = load_pair("smollm2")
+    prompts = [prompts[i % len(prompts)] for i in range(8)]
+    rows = []
+    for overlap in (False, True):
+        config = StackConfig(target_model=target_dir, draft_model=target_dir, device="cpu",
+                             num_speculative_tokens=2, port=0,
+                             pin={"proposer": "0", "scorer": "1"},
+                             speculation="fixed",
+                             extra_env={"SPECDECODE_OVERLAP": str(overlap).lower()})
+        with LocalStack(config) as stack:
+            r = median([run_stack(stack, prompts, max_tokens) for _ in range(repeats)])
+        rows.append({"section": "overlap", "overlap": overlap, **r})
+    return rows
+
+
+def print_tables(console: Console, rows: list[dict]) -> None:
+    b = [r for r in rows if r["section"] == "bytes"]
+    if b:
+        t = Table(title="bytes per step, B=1, k=4 (tiny random models, draft = target, 32 tokens)")
+        for col in ("deltas", "sampling", "context 256", "context 4096", "4096 / 256"):
+            t.add_column(col)
+        for deltas in (True, False):
+            for name in SAMPLING:
+                small, large = (next(r["bytes_per_step"] for r in b if r["deltas"] == deltas
+                                     and r["sampling"] == name and r["context"] == c)
+                                for c in (256, 4096))
+                t.add_row("on" if deltas else "off", name, f"{small:.0f}", f"{large:.0f}",
+                          f"{large / small:.3f}")
+        console.print(t)
+    b1 = [r for r in rows if r["section"] == "b1"]
+    if b1:
+        base = next(r for r in b1 if r["mode"] == "in-process")
+        t = Table(title=f"B=1, {b1[0]['pair']}, k=4: stack vs in-process engine")
+        for col in ("mode", "tokens/s", "vs in-process", "bytes/step", "proposer busy",
+                    "scorer busy", "same tokens"):
+            t.add_column(col)
+        for r in b1:
+            t.add_row(r["mode"], f"{r['tokens_per_s']:.2f}",
+                      f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x",
+                      f"{r['bytes_per_step']:.0f}",
+                      f"{r.get('proposer_busy', 0):.0%}", f"{r.get('scorer_busy', 0):.0%}",
+                      str(r["outputs"] == base["outputs"]))
+        console.print(t)
+    ov = [r for r in rows if r["section"] == "overlap"]
+    if ov:
+        off = next(r for r in ov if not r["overlap"])
+        t = Table(title="B=8, SmolLM2 drafting for itself, k=2, proposer on core 0, scorer on "
+                        "core 1 (one thread each)")
+        for col in ("overlap", "tokens/s", "vs without", "proposer busy", "scorer busy",
+                    "same tokens"):
+            t.add_column(col)
+        for r in ov:
+            t.add_row("on" if r["overlap"] else "off", f"{r['tokens_per_s']:.2f}",
+                      f"{r['tokens_per_s'] / off['tokens_per_s']:.3f}x",
+                      f"{r['proposer_busy']:.0%}", f"{r['scorer_busy']:.0%}",
+                      str(r["outputs"] == off["outputs"]))
+        console.print(t)
 
 
 @click.command()
-@click.option("--models", "model_names", default="tiny,smollm2", show_default=True)
+@click.option("--pair", default="qwen", type=click.Choice(["qwen", "smollm2"]),
+              show_default=True, help="Draft/target pair for the B=1 comparison.")
+@click.option("--sections", default="bytes,b1,overlap", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--out", default="bench/results/services.json", show_default=True)
-def main(model_names: str, repeats: int, max_tokens: int, out: str) -> None:
+def main(pair: str, sections: str, repeats: int, max_tokens: int, out: str) -> None:
     console = Console(width=160)
-    rows = []
-    for name in model_names.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            config, target, draft, prompts = setup(name, Path(tmp))
-            with LocalStack(config) as stack:
-                modes = {
-                    "gRPC stack, speculative": lambda s: run_stack(stack, prompts, s, max_tokens, None),
-                    "gRPC stack, target-only": lambda s: run_stack(stack, prompts, s, max_tokens, 0),
-                    "in-process, speculative": lambda s: run_inprocess(target, draft, prompts, s, max_tokens, K),
-                    "in-process, target-only": lambda s: run_inprocess(target, draft, prompts, s, max_tokens, 0),
-                }
-                for streams in (1, 8):
-                    samples = {m: [] for m in modes}
-                    for _ in range(repeats):
-                        for mode, fn in modes.items():
-                            samples[mode].append(fn(streams))
-                    for mode, runs in samples.items():
-                        rows.append({"model": name, "streams": streams, "mode": mode, **{
-                            key: statistics.median(r[key] for r in runs) for key in runs[0]}})
-        table = Table(title=f"{name}: {max_tokens} tokens/stream, k={K}, "
-                            f"proposer {'draft = target' if name == 'tiny' else 'n-gram'}")
-        for col in ("streams", "mode", "tokens/s", "vs in-process target-only", "step ms",
-                    "wire bytes/step", "gRPC cost/step ms"):
-            table.add_column(col)
-        for r in (r for r in rows if r["model"] == name):
-            base = next(x for x in rows if x["model"] == name and x["streams"] == r["streams"]
-                        and x["mode"] == "in-process, target-only")
-            twin = next(x for x in rows if x["model"] == name and x["streams"] == r["streams"]
-                        and x["mode"] == r["mode"].replace("gRPC stack", "in-process"))
-            r["grpc_cost_ms"] = r["step_ms"] - twin["step_ms"] if "gRPC" in r["mode"] else 0.0
-            table.add_row(str(r["streams"]), r["mode"], f"{r['tokens_per_s']:.1f}",
-                          f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x", f"{r['step_ms']:.1f}",
-                          f"{r['bytes_per_step']:.0f}",
-                          f"{r['grpc_cost_ms']:.1f}" if "gRPC" in r["mode"] else "-")
-        console.print(table)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for section in sections.split(","):
+            if section == "bytes":
+                new = section_bytes(Path(tmp), repeats)
+            elif section == "b1":
+                new = section_b1(pair, repeats, max_tokens)
+            elif section == "overlap":
+                new = section_overlap(repeats, max_tokens)
+            else:
+                raise click.BadParameter(f"unknown section {section!r}", param_hint="--sections")
+            print_tables(console, new)
+            rows += new
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(rows, indent=2))
     console.print(f"wrote {out}")

@@ -55,6 +55,9 @@ class StackConfig:
     auth_token_file: str | None = None  # bearer tokens the public API accepts
     orchestrator_args: list[str] = field(default_factory=list)  # extra `serve` flags
     service_args: list[str] = field(default_factory=list)  # for the proposer and scorer
+    # role -> CPU list for `taskset -c` (e.g. {"proposer": "0", "scorer": "1"}); a pinned
+    # server runs one thread (benchmarks of two hosts on one machine)
+    pin: dict[str, str] = field(default_factory=dict)
 
 
 class LocalStack:
@@ -80,7 +83,10 @@ class LocalStack:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
                "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
         self._args[role] = args
-        cmd = [sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
+        if role in self.config.pin:
+            env["OMP_NUM_THREADS"] = "1"
+        pin = ["taskset", "-c", self.config.pin[role]] if role in self.config.pin else []
+        cmd = [*pin, sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
                "--grace-seconds", str(self.config.grace_seconds),
                "--metrics-port", str(self.metrics_ports[role]), *args]
         if self.config.log_file is None:

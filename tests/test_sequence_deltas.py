@@ -119,13 +119,19 @@ def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_d
     with LocalStack(StackConfig(target_model=tiny_model_dirs["target"],
                                 draft_model=tiny_model_dirs["draft"], tokenizer="none",
                                 device="cpu", num_speculative_tokens=3, port=0,
-                                # a fixed k: the proposer is asked every step
-                                extra_env={"SPECDECODE_SPECULATION": "fixed"})) as stack, \
+                                speculation="fixed",  # the proposer is asked every step
+                                # Call deadlines far away: a call in flight while the
+                                # orchestrator is paused is not "late" for it.
+                                extra_env={**{f"SPECDECODE_{t}_TIMEOUT": "600" for t in (
+                                               "PROPOSER", "SCORER", "SCORER_RETRY")}})) \
+            as stack, \
             SpecDecodeClient(stack.address) as client:
         resends = [full_resends(stack)]
         for role in ("scorer", "proposer"):
             stream = client.stream(PROMPT, max_tokens=MAX_TOKENS)
-            tokens = list(next(stream).token_ids)
+            # Two messages: the prompt's step (scorer only) and a speculative one (the
+            # proposer has now received the sequence too).
+            tokens = list(next(stream).token_ids) + list(next(stream).token_ids)
             orchestrator = stack.processes["orchestrator"]
             orchestrator.send_signal(signal.SIGSTOP)
             try:
