@@ -4,9 +4,8 @@ lacks a prefix, down to a scorer or proposer restarted mid-stream."""
 
 from __future__ import annotations
 
-import re
 import signal
-import urllib.request
+import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from specdecode import wire
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
 from specdecode.token_store import TokenStore, extend_hash, resolve_request
-from tests.conftest import reference_greedy
+from tests.conftest import reference_greedy, scrape_metrics
 
 
 def request(seqs: dict[int, tuple[list[int], list[int]]], k: int = 3) -> ExecuteModelRequest:
@@ -101,11 +100,15 @@ MAX_TOKENS = 120
 
 
 def full_resends(stack: LocalStack) -> dict[str, float]:
-    body = urllib.request.urlopen(
-        f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
-    return {role: float(m.group(1)) if (m := re.search(
-        rf'^specdecode_full_resends_total{{role="{role}"}} (\S+)$', body, re.M)) else 0.0
-        for role in ("proposer", "scorer")}
+    metrics = scrape_metrics(stack.metrics_ports["orchestrator"])
+    return {role: metrics.get(f'specdecode_full_resends_total{{role="{role}"}}', 0.0)
+            for role in ("proposer", "scorer")}
+
+
+def replica_up(stack: LocalStack, role: str) -> bool:
+    metrics = scrape_metrics(stack.metrics_ports["orchestrator"])
+    return any(v == 1 for k, v in metrics.items()
+               if k.startswith("specdecode_replica_up{") and f'service="{role}"' in k)
 
 
 def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_dirs,
@@ -113,31 +116,37 @@ def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_d
     """A service restarted mid-stream holds no sequence: its next step call names the
     sequence missing, the orchestrator resends it in full within that step, and the stream
     equals target-only greedy decoding; first the scorer restarts under one stream, then the
-    proposer under another. (The orchestrator is paused while a service restarts, so no
-    step call meets the half-started server: this test is about state, not retries.)"""
+    proposer under another. While one service restarts, the other is paused (SIGSTOP), so
+    the stream waits in a step, still running, until the orchestrator has the restarted
+    service back on its ring: this test is about lost state, not retries or fallback."""
     want = reference_greedy(target_model, PROMPT, MAX_TOKENS)
     with LocalStack(StackConfig(target_model=tiny_model_dirs["target"],
                                 draft_model=tiny_model_dirs["draft"], tokenizer="none",
                                 device="cpu", num_speculative_tokens=3, port=0,
                                 speculation="fixed",  # the proposer is asked every step
-                                # Call deadlines far away: a call in flight while the
-                                # orchestrator is paused is not "late" for it.
+                                grace_seconds=1.0,
+                                # Call deadlines far away: the call to the paused service
+                                # is not "late".
                                 extra_env={**{f"SPECDECODE_{t}_TIMEOUT": "600" for t in (
                                                "PROPOSER", "SCORER", "SCORER_RETRY")}})) \
             as stack, \
             SpecDecodeClient(stack.address) as client:
         resends = [full_resends(stack)]
-        for role in ("scorer", "proposer"):
+        for role, other in (("scorer", "proposer"), ("proposer", "scorer")):
             stream = client.stream(PROMPT, max_tokens=MAX_TOKENS)
             # Two messages: the prompt's step (scorer only) and a speculative one (the
             # proposer has now received the sequence too).
             tokens = list(next(stream).token_ids) + list(next(stream).token_ids)
-            orchestrator = stack.processes["orchestrator"]
-            orchestrator.send_signal(signal.SIGSTOP)
+            paused = stack.processes[other]
+            paused.send_signal(signal.SIGSTOP)
             try:
                 stack.restart(role)
+                deadline = time.monotonic() + 60
+                while not replica_up(stack, role):  # the health check puts it back
+                    assert time.monotonic() < deadline, f"{role} not back on the ring"
+                    time.sleep(0.2)
             finally:
-                orchestrator.send_signal(signal.SIGCONT)
+                paused.send_signal(signal.SIGCONT)
             tokens += [t for r in stream for t in r.token_ids]
             assert tokens == want, role
             resends.append(full_resends(stack))
