@@ -20,7 +20,7 @@ import threading
 from collections.abc import Collection, Iterable
 
 from specdecode import wire
-from specdecode.sequence import ExecuteModelRequest, SequenceGroupMetadata
+from specdecode.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 from specdecode.token_store import extend_hash
 from specdecode.v1 import sequence_pb2
 
@@ -44,7 +44,8 @@ class DeltaEncoder:
             sent = {sg.seq_id: self._sent.get(sg.seq_id) for sg in req.seq_group_metadata_list}
         return sequence_pb2.ExecuteModelRequest(
             seq_group_metadata_list=[
-                wire.sequence_group_metadata_to_proto(sg) if s is None or sg.seq_id in full
+                wire.sequence_group_metadata_to_proto(sg)
+                if s is None or sg.seq_id in full or s.length > sg.data.get_len()
                 else _delta_to_proto(sg, s) for sg, s in
                 zip(req.seq_group_metadata_list, sent.values())],
             num_lookahead_slots=req.num_lookahead_slots)
@@ -61,8 +62,9 @@ class DeltaEncoder:
                 continue
             if s is None or s.length > n:
                 h = extend_hash(0, data.get_token_ids())
-            else:  # only the appended tokens (all generated: the prompt went in full)
-                h = extend_hash(s.hash, data.output_token_ids[s.length - len(data.prompt_token_ids):])
+            else:  # only the appended tokens
+                prompt_tail, output_tail = _after(data, s.length)
+                h = extend_hash(extend_hash(s.hash, prompt_tail), output_tail)
             updates[sg.seq_id] = _Sent(n, h)
         with self._lock:
             self._sent.update(updates)
@@ -77,11 +79,19 @@ class DeltaEncoder:
         return len(self._sent)
 
 
+def _after(data: SequenceData, n: int) -> tuple[list[int], list[int]]:
+    """The prompt tokens and the generated tokens of `data` after its first n tokens."""
+    p = len(data.prompt_token_ids)
+    if n < p:  # the prompt grew since (prefilled in chunks)
+        return data.prompt_token_ids[n:], list(data.output_token_ids)
+    return [], data.output_token_ids[n - p:]
+
+
 def _delta_to_proto(sg: SequenceGroupMetadata, sent: _Sent) -> sequence_pb2.SequenceGroupMetadata:
-    """sg with only the tokens after the `sent` prefix (which holds the whole prompt)."""
+    """sg with only the tokens after the `sent` prefix."""
     m = wire.sequence_group_metadata_to_proto(dataclasses.replace(sg, seq_data={}))
-    data = sg.data
+    prompt_tail, output_tail = _after(sg.data, sent.length)
     m.seq_data[sg.seq_id].CopyFrom(sequence_pb2.SequenceData(
-        output_token_ids=data.output_token_ids[sent.length - len(data.prompt_token_ids):],
+        prompt_token_ids=prompt_tail, output_token_ids=output_tail,
         prefix=sequence_pb2.SequencePrefix(length=sent.length, hash=sent.hash)))
     return m

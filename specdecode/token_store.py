@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specdecode.sequence import ExecuteModelRequest, InvalidRequestError, SequenceData
+from specdecode.sequence import ExecuteModelRequest, SequenceData
 from specdecode.v1 import sequence_pb2
 
 HASH_BASE = 1_000_003
@@ -81,15 +81,20 @@ class TokenStore:
         self._records[seq_id] = record
         self._replace(seq_id, record, 0, tokens)
 
-    def extend(self, seq_id: int, prefix_len: int, prefix_hash: int,
-               appended: list[int]) -> SequenceData | None:
+    def extend(self, seq_id: int, prefix_len: int, prefix_hash: int, appended: list[int],
+               appended_prompt: list[int] = ()) -> SequenceData | None:
         """The full sequence: the recorded prefix of `prefix_len` tokens, checked against
-        `prefix_hash`, with `appended` after it (which becomes the record); None when this
-        store does not hold that prefix."""
+        `prefix_hash`, then `appended_prompt` (the prompt grew: only after a prefix that is
+        the whole recorded prompt) and `appended` (generated tokens); it becomes the record.
+        None when this store does not hold that prefix."""
         record = self._records.get(seq_id)
         if (record is None or not record.prompt_len <= prefix_len <= len(record.tokens)
-                or record.hashes[prefix_len] != prefix_hash):
+                or record.hashes[prefix_len] != prefix_hash
+                or (appended_prompt and prefix_len != record.prompt_len)):
             return None
+        if appended_prompt:
+            record.prompt_len += len(appended_prompt)
+            appended = [*appended_prompt, *appended]
         self._replace(seq_id, record, prefix_len, appended)
         tokens = record.tokens
         return SequenceData(tokens[:record.prompt_len].tolist(),
@@ -116,23 +121,20 @@ class TokenStore:
 
 
 def resolve_request(m: sequence_pb2.ExecuteModelRequest, req: ExecuteModelRequest,
-                    store: TokenStore, field: str = "request") -> list[int]:
+                    store: TokenStore) -> list[int]:
     """Complete the decoded request `req` of message `m` in place: a sequence in the delta
     form gets its full ids from the store; one in the full form is recorded. Returns the ids
     of delta sequences whose prefix the store does not hold (their entries stay partial:
     the request must not run)."""
     missing = []
-    for i, (m_sg, sg) in enumerate(zip(m.seq_group_metadata_list, req.seq_group_metadata_list)):
+    for m_sg, sg in zip(m.seq_group_metadata_list, req.seq_group_metadata_list):
         for seq_id, data in sg.seq_data.items():
             m_data = m_sg.seq_data[seq_id]
             if not m_data.HasField("prefix"):
                 store.put(seq_id, data)
                 continue
-            if data.prompt_token_ids:
-                raise InvalidRequestError(f"{field}.seq_group_metadata_list[{i}].seq_data",
-                                          "prompt_token_ids must be empty when prefix is set")
             full = store.extend(seq_id, m_data.prefix.length, m_data.prefix.hash,
-                                data.output_token_ids)
+                                data.output_token_ids, data.prompt_token_ids)
             if full is None:
                 missing.append(seq_id)
             else:

@@ -80,6 +80,21 @@ def test_deltas_round_trip_and_do_not_grow_with_context():
     assert abs(sizes[4096] - sizes[256]) <= 4 and sizes[4096] < 128, sizes
 
 
+def test_a_prompt_prefilled_in_chunks_travels_once():
+    """Chunked prefill sends longer and longer prefixes of the prompt (then the prompt with
+    generated tokens): each chunk's delta carries only the prompt tokens after the last."""
+    encoder, store = DeltaEncoder(), TokenStore()
+    prompt = list(range(100))
+    for prefix, out in ((prompt[:40], []), (prompt[:80], []), (prompt, []), (prompt, [7, 8])):
+        req = request({5: (prefix, out)})
+        encoded = encoder.encode(req)
+        got, missing = receive(store, encoded)
+        assert not missing and got == req, len(prefix)
+        sent = encoded.seq_group_metadata_list[0].seq_data[5]
+        assert len(sent.prompt_token_ids) + len(sent.output_token_ids) <= 40, len(prefix)
+        encoder.commit(req)
+
+
 def test_missing_prefix_is_reported_and_resent_in_full():
     encoder = DeltaEncoder()
     first = request({1: ([5, 6, 7], []), 2: ([8, 9], [])})

@@ -138,8 +138,9 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 class SequenceData(_message.Message):
     """The token ids of one sequence. Mirrors `specdecode.sequence.SequenceData`.
     Full form: the prompt and every generated token. Delta form (`prefix` set): only the
-    tokens appended since this service last received the sequence; the service rebuilds the
-    full ids from its own record of the sequence, checked against `prefix`. A service may
+    tokens appended since this service last received the sequence (generated tokens, or more
+    of the prompt when it is prefilled in chunks); the service rebuilds the full ids from its
+    own record of the sequence, checked against `prefix`. A service may
     cache KV state per sequence, but must check that the cached tokens are a prefix of the
     full ids.
     """
@@ -151,7 +152,10 @@ class SequenceData(_message.Message):
     PREFIX_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The prompt's token ids; never empty in the full form, empty in the delta form."""
+        """Full form: the prompt's token ids, never empty. Delta form: the prompt's tokens after
+        the prefix when the prompt grew since the prefix (which then is the whole earlier
+        prompt); else empty.
+        """
 
     @_builtins.property
     def output_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -190,7 +194,9 @@ class SequencePrefix(_message.Message):
     LENGTH_FIELD_NUMBER: _builtins.int
     HASH_FIELD_NUMBER: _builtins.int
     length: _builtins.int
-    """How many tokens (prompt first, then generated) the prefix holds; at least the prompt."""
+    """How many tokens (prompt first, then generated) the prefix holds; at least the prompt
+    the service last received.
+    """
     hash: _builtins.int
     """Polynomial hash of those tokens: h = 0, then h = (h * 1000003 + token + 1) mod (2^61 - 1)
     for each token in order (specdecode.token_store.extend_hash).
