@@ -50,17 +50,17 @@ SAMPLING = {"greedy": {}, "top-p 0.9": {"temperature": 1.0, "top_p": 0.9, "seed"
 def scrape(stack: LocalStack) -> dict[str, float]:
     body = urllib.request.urlopen(
         f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
+    samples = [(m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")),
+                float(m.group(3)))
+               for m in re.finditer(r"^(specdecode_\w+)(?:\{(.*)\})? (\S+)$", body, re.M)]
 
-    def value(pattern: str) -> float:
-        m = re.search(rf"^{pattern} (\S+)$", body, re.M)
-        return float(m.group(1)) if m else 0.0
+    def value(name: str, **labels: str) -> float:  # summed over other labels (model_name)
+        return sum(v for n, l, v in samples if n == name and labels.items() <= l.items())
     return {"steps": value("specdecode_steps_total"),
-            "bytes": value(r'specdecode_step_wire_bytes_sum\{direction="sent"\}')
-            + value(r'specdecode_step_wire_bytes_sum\{direction="received"\}'),
-            **{f"{role}_busy_s": value(rf'specdecode_step_service_busy_seconds_sum\{{role="{role}"\}}')
+            "bytes": value("specdecode_step_wire_bytes_sum"),  # sent and received
+            **{f"{role}_busy_s": value("specdecode_step_service_busy_seconds_sum", role=role)
                for role in ("proposer", "scorer")},
-            "resends": sum(value(rf'specdecode_full_resends_total\{{role="{r}"\}}')
-                           for r in ("proposer", "scorer"))}
+            "resends": value("specdecode_full_resends_total")}
 
 
 def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
