@@ -21,16 +21,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.usage import Usage
+from orchestrator import finish_reason
+from orchestrator.usage import Usage, usage_from_proto
 from specdecode.v1 import model_info_pb2
 from specdecode.auth import bearer_metadata
 from specdecode.tls import TlsFiles, channel_credentials
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
-
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_CANCELLED: "cancelled"}
-
 
 @dataclass
 class GenerateResult:
@@ -90,12 +87,8 @@ def accumulate(result: GenerateResult, response: pb.GenerateResponse) -> None:
     result.token_ids += list(response.token_ids)
     result.logprobs += list(response.logprobs)
     if response.finish_reason:
-        result.finish_reason = FINISH_NAMES.get(response.finish_reason, "unknown")
-        u = response.usage
-        result.usage = Usage(prompt_tokens=u.prompt_tokens,
-                             completion_tokens=u.completion_tokens, draft_tokens=u.draft_tokens,
-                             accepted_tokens=u.accepted_tokens, emitted_tokens=u.emitted_tokens,
-                             steps=u.steps)
+        result.finish_reason = finish_reason.from_proto(response.finish_reason)
+        result.usage = usage_from_proto(response.usage)
 
 
 def _by_index(results: dict[int, GenerateResult], response: pb.GenerateResponse) -> None:

@@ -21,14 +21,9 @@ from orchestrator import metrics, semconv
 from orchestrator.engine import Request, RequestStats, StepOutput, TokenLogprobs
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
-from orchestrator.usage import Usage
+from orchestrator.usage import Usage, add_usage, usage_of
 from specdecode import tracing
 from specdecode.sequence import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, stats: RequestStats) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, stats.draft_tokens, stats.accepted_tokens,
-                 stats.emitted_tokens, stats.steps)
 
 
 @dataclass(frozen=True)
@@ -267,15 +262,6 @@ class _Sample:
         if finish:
             usage = usage_of(len(self.request.prompt_token_ids), len(self.output), out.stats)
         return Delta(self.index, text, list(out.new_token_ids), out.logprobs, finish, usage)
-
-
-def add_usage(total: Usage, sample: Usage) -> Usage:
-    """Sum samples' usage, counting their shared prompt once."""
-    return Usage(max(total.prompt_tokens, sample.prompt_tokens),
-                 total.completion_tokens + sample.completion_tokens,
-                 total.draft_tokens + sample.draft_tokens,
-                 total.accepted_tokens + sample.accepted_tokens,
-                 total.emitted_tokens + sample.emitted_tokens, total.steps + sample.steps)
 
 
 def _span_attributes(usage: Usage, finish_reason: str) -> dict:

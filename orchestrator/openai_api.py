@@ -33,10 +33,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator import finish_reason
 from orchestrator.engine import TokenLogprobs
 from orchestrator.replicas import ServiceUnavailableError
-from orchestrator.generation import Delta, Frontend, Generation, ServedModel, add_usage
-from orchestrator.usage import Usage
+from orchestrator.generation import Delta, Frontend, Generation, ServedModel
+from orchestrator.usage import Usage, add_usage, openai_usage
 from specdecode.auth import TokenSet
 from specdecode.sequence import InvalidRequestError
 
@@ -258,7 +259,7 @@ class _OpenAIApi:
         def choice(d: Delta) -> dict:
             return {"index": d.index, "text": d.text,
                     "logprobs": logprobs.of(d) if logprobs else None,
-                    "finish_reason": _finish(d.finish_reason)}
+                    "finish_reason": finish_reason.to_openai(d.finish_reason)}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -271,7 +272,7 @@ class _OpenAIApi:
                         if d.usage:
                             total = add_usage(total, d.usage)
                 if include_usage:
-                    yield {**base, "choices": [], "usage": usage_json(total)}
+                    yield {**base, "choices": [], "usage": openai_usage(total)}
             return _sse(events())
 
         choices: dict[int, dict] = {}
@@ -284,12 +285,12 @@ class _OpenAIApi:
                 if logprobs:
                     c["logprobs"] = _merge_completion_logprobs(c["logprobs"], logprobs.of(d))
                 if d.finish_reason:
-                    c["finish_reason"] = _finish(d.finish_reason)
+                    c["finish_reason"] = finish_reason.to_openai(d.finish_reason)
                     total = add_usage(total, d.usage)
         except Exception as exc:
             raise _api_error(exc) from None
         return {**base, "choices": [choices[i] for i in sorted(choices)],
-                "usage": usage_json(total)}
+                "usage": openai_usage(total)}
 
     # -- chat ----------------------------------------------------------------------------------
 
@@ -351,12 +352,12 @@ class _OpenAIApi:
                         delta = {"content": d.text} if d.text or not d.finish_reason else {}
                         yield {**chunk, "choices": [{"index": d.index, "delta": delta,
                                                      "logprobs": chat_logprobs(d),
-                                                     "finish_reason": _finish(d.finish_reason)}],
+                                                     "finish_reason": finish_reason.to_openai(d.finish_reason)}],
                                "usage": None}
                         if d.usage:
                             total = add_usage(total, d.usage)
                 if include_usage:
-                    yield {**chunk, "choices": [], "usage": usage_json(total)}
+                    yield {**chunk, "choices": [], "usage": openai_usage(total)}
             return _sse(events())
 
         choices: dict[int, dict] = {}
@@ -371,30 +372,15 @@ class _OpenAIApi:
                 if d.logprobs is not None:
                     c["logprobs"]["content"] += chat_logprobs(d)["content"]
                 if d.finish_reason:
-                    c["finish_reason"] = _finish(d.finish_reason)
+                    c["finish_reason"] = finish_reason.to_openai(d.finish_reason)
                     total = add_usage(total, d.usage)
         except Exception as exc:
             raise _api_error(exc) from None
         return {**base, "object": "chat.completion",
-                "choices": [choices[i] for i in sorted(choices)], "usage": usage_json(total)}
+                "choices": [choices[i] for i in sorted(choices)], "usage": openai_usage(total)}
 
 
 # -- conversions -------------------------------------------------------------------------------
-
-def _finish(reason: str | None) -> str | None:
-    """Our finish reasons in OpenAI's words (a server-side cancel is vLLM's "abort")."""
-    return {"cancelled": "abort"}.get(reason, reason) if reason else None
-
-
-def usage_json(u: Usage) -> dict:
-    """OpenAI's usage, with our speculative counters as the extension `speculative`."""
-    counts = u.as_json()
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "speculative": {k: counts[k] for k in ("draft_tokens", "accepted_tokens",
-                                                   "emitted_tokens", "acceptance_rate",
-                                                   "steps")}}
-
 
 class _TokenText:
     """A token's text: its decoded piece, or `token_id:<id>` without a tokenizer or when

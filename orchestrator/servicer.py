@@ -8,31 +8,20 @@ import time
 
 import grpc
 
-from orchestrator import metrics
+from orchestrator import finish_reason, metrics
 from orchestrator.admission import Admission, Overloaded, RequestLimits
 from orchestrator.engine import TokenLogprobs
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.deadlines import DeadlinePassedError
 from orchestrator.generation import Frontend, Generation, ServedModel
 from orchestrator.replicas import ServiceUnavailableError
-from orchestrator.usage import Usage
+from orchestrator.usage import usage_to_proto
 from specdecode.sequence import InvalidRequestError
 from specdecode.server import Deferred, grpc_status_of, map_errors
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-          "cancelled": pb.FINISH_REASON_CANCELLED}
-
-
-def usage_to_proto(u: Usage) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                    draft_tokens=u.draft_tokens, accepted_tokens=u.accepted_tokens,
-                    emitted_tokens=u.emitted_tokens, acceptance_rate=u.acceptance_rate,
-                    steps=u.steps)
-
 
 def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
     return [pb.TokenLogprobs(token_id=e.token_id, logprob=e.logprob,
@@ -132,7 +121,7 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
                 if delta.logprobs is not None:
                     response.logprobs.extend(logprobs_to_proto(delta.logprobs))
                 if delta.finish_reason:
-                    response.finish_reason = FINISH[delta.finish_reason]
+                    response.finish_reason = finish_reason.to_proto(delta.finish_reason)
                     response.usage.CopyFrom(usage_to_proto(delta.usage))
                 yield response
         except (grpc.aio.AbortError, asyncio.CancelledError):

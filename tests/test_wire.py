@@ -391,3 +391,34 @@ def test_malformed_sparse_rows_name_the_field(corrupt, message) -> None:
     with pytest.raises(InvalidRequestError, match=message) as err:
         wire.tensor_from_proto(m, "scores.probs")
     assert err.value.field == "scores.probs"
+
+
+def test_finish_reasons_and_usage_convert_in_one_place_each():
+    """Every finish reason and every usage count survives the wire; the enum and the Usage
+    message are spelled out only in orchestrator/finish_reason.py and orchestrator/usage.py."""
+    import re
+    from pathlib import Path
+
+    from orchestrator import finish_reason
+    from orchestrator.usage import Usage, openai_usage, usage_from_proto, usage_to_proto
+    for name in ("stop", "length", "cancelled"):
+        assert finish_reason.from_proto(finish_reason.to_proto(name)) == name
+    assert finish_reason.from_proto(99) == "unknown"
+    assert [finish_reason.to_openai(r) for r in ("stop", "length", "cancelled", None)] == \
+        ["stop", "length", "abort", None]
+    usage = Usage(prompt_tokens=5, completion_tokens=7, draft_tokens=8, accepted_tokens=4,
+                  emitted_tokens=6, steps=3)
+    message = usage_to_proto(usage)
+    assert message.acceptance_rate == 0.5 and usage_from_proto(message) == usage
+    assert openai_usage(usage)["total_tokens"] == 12
+    assert openai_usage(usage)["speculative"]["acceptance_rate"] == 0.5
+    root = Path(__file__).parent.parent
+    homes = {r'FINISH_REASON_|"abort"': "orchestrator/finish_reason.py",
+             r'pb\.Usage\(|Usage\(prompt_tokens=\w+\.prompt_tokens|"total_tokens"':
+             "orchestrator/usage.py"}
+    for pattern, home in homes.items():
+        found = {str(p.relative_to(root)) for folder in ("orchestrator", "specdecode",
+                                                           "specdecode_stack")
+                 for p in (root / folder).rglob("*.py")
+                 if "/v1/" not in str(p) and re.search(pattern, p.read_text())}
+        assert found == {home}, pattern
