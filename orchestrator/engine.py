@@ -12,11 +12,13 @@ the others (see specdecode.tracing.step_span). `trace_every` keeps every Nth ste
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 
 from orchestrator import deadlines
 from orchestrator.overlap import OverlapPipeline, Planned
+from orchestrator.prefill_pacing import MIN_CHUNK, PrefillPacer
 from orchestrator.rejection_sampler import RejectionSampler
 from orchestrator.service_stats import ServiceStats, snapshot, step_stats
 from orchestrator.speculation_policy import Candidate, Plan, SpeculationPolicy
@@ -176,7 +179,7 @@ def verify(sampler: RejectionSampler, req: ExecuteModelRequest,
 
 
 def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
-              budget: int | None) -> list[tuple[Sequence, int | None]]:
+              budget: int | None, paced: int | None = None) -> list[tuple[Sequence, int | None]]:
     """Who joins this step, within a budget of tokens to compute (chunked prefill).
 
     Sequences that are decoding always join (k + 1 tokens each), so a running stream never
@@ -184,7 +187,9 @@ def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
     (None); a longer one sends its next chunk, a longer prefix of itself (the prefix
     length), whose output is discarded; the services keep its KV state, so the next chunk
     and finally the whole prompt reuse it. The first prompt always gets at least a quarter
-    of the budget, so prompts progress however busy the decoding is."""
+    of the budget, so prompts progress however busy the decoding is. Beside decoding
+    sequences, prompts get at most `paced` tokens in all (orchestrator.prefill_pacing:
+    what keeps the step's time near a decode step's)."""
     if budget is None:
         return [(s, None) for s in seqs]
     plan: list[tuple[Sequence, int | None]] = []
@@ -196,9 +201,11 @@ def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
             left -= k_of(s) + 1
         else:
             prompts.append(s)
+    if plan and paced is not None:
+        left = min(left, paced)
     for i, s in enumerate(prompts):
         todo = len(s.request.prompt_token_ids) - s.prefilled  # tokens not yet computed
-        share = max(left, budget // 4) if i == 0 else left
+        share = max(left, min(budget // 4, paced or budget)) if i == 0 else left
         if todo <= share:
             plan.append((s, None))
         elif share >= MIN_CHUNK:
@@ -207,9 +214,6 @@ def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
             break  # later prompts wait their turn
         left -= min(todo, share)
     return plan
-
-
-MIN_CHUNK = 16  # smallest prefill chunk worth a place in a step
 
 
 class SpecDecodeEngine:
@@ -237,6 +241,8 @@ class SpecDecodeEngine:
         self.last_step = StepStats()
         self.trace_every = trace_every
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
+        self._warmer: ThreadPoolExecutor | None = None  # chunks' draft calls (_warm_draft)
         self.steps = 0  # steps run so far
         # Services key their KV caches by sequence id, and may serve several orchestrators:
         # ids carry a random 38-bit prefix of this engine and a 24-bit counter (below 2**62:
@@ -303,6 +309,21 @@ class SpecDecodeEngine:
         k = self.k if own is None else min(own, self.k)
         return max(0, min(k, self.max_model_len - len(seq.token_ids) - 1))
 
+    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future:
+        """Send the prompt chunks (rows `chunks` of req) to the proposer in the background,
+        in this thread's context (deadline, trace): a draft model computes their KV state."""
+        warm = ExecuteModelRequest([req.seq_group_metadata_list[i] for i in chunks],
+                                   num_lookahead_slots=1)
+
+        def call() -> None:
+            with tracing.child_span("propose", {"specdecode.batch_size": len(chunks),
+                                                  "specdecode.k": 1}):
+                self.proposer.get_proposals(warm)
+
+        if self._warmer is None:
+            self._warmer = ThreadPoolExecutor(1, thread_name_prefix="draft-chunks")
+        return self._warmer.submit(contextvars.copy_context().run, call)
+
     def _service_counters(self) -> dict[str, ServiceStats]:
         """Cumulative counters of the remote services (zeros in-process)."""
         return {"proposer": snapshot(self.proposer), "scorer": snapshot(self.scorer)}
@@ -316,10 +337,14 @@ class SpecDecodeEngine:
             self._release(cancelled)
             plan = [(s, None) for s in seqs]
         else:
-            plan = plan_step(list(self.running.values()), self._cap, self.max_num_batched_tokens)
+            plan = plan_step(list(self.running.values()), self._cap,
+                             self.max_num_batched_tokens, self.pacer.cap())
         if not plan:
             return []
         seqs = [s for s, _ in plan]
+        prompt_tokens = sum((len(s.request.prompt_token_ids) if c is None else c) - s.prefilled
+                            for s, c in plan if not s.output_token_ids)
+        decoding = sum(1 for s in seqs if s.output_token_ids)
         index, self.steps = self.steps, self.steps + 1
         traced = self.trace_every > 0 and index % self.trace_every == 0
         with tracing.step_span("spec_decode.step",
@@ -342,17 +367,15 @@ class SpecDecodeEngine:
                 "specdecode.wire.bytes_received": stats.bytes_received,
                 **{f"specdecode.{role}.{name}": value for role, service in stats.services.items()
                    for name, value in vars(service).items()}})
+        self.pacer.observe(stats.total_s, prompt_tokens, decoding)
         return outputs
 
     def _plan_request(self, step_plan: list[tuple[Sequence, int | None]],
                       ) -> tuple[Plan, ExecuteModelRequest]:
         """Each sequence's k (the policy's) and the step's request."""
-        chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
         plan = self.policy.plan([Candidate(s.seq_id, 0 if c is not None else self._cap(s))
                                  for s, c in step_plan])
-        k = max(plan.ks, default=0)
-        if chunks and self.k:
-            k = max(k, 1)  # a chunk's one draft token (see _group)
+        k = max(plan.ks, default=0)  # chunks ride along with a proposer call (see _group)
         return plan, ExecuteModelRequest(
             [self._group(s, n, c) for (s, c), n in zip(step_plan, plan.ks)],
             num_lookahead_slots=k)
@@ -380,6 +403,11 @@ class SpecDecodeEngine:
         plan, req = (planned.plan, planned.req) if planned else self._plan_request(step_plan)
         k = req.num_lookahead_slots
         with deadlines.bounded_by(self._deadline(seqs)):
+            # Nobody speculates, so there is no proposer call to ride along: the chunks'
+            # draft call runs beside the scoring (a step of its own would cost decoders a
+            # proposer round trip more: 3x a decode step on small models).
+            warming = (self._warm_draft(req, chunks) if planned is None and k == 0 and chunks
+                       and self.k else None)
             if planned is None and k == 0:
                 proposals = self._propose(req)
             else:
@@ -403,6 +431,8 @@ class SpecDecodeEngine:
             with tracing.child_span("score", {"specdecode.batch_size": len(seqs),
                                                 "specdecode.k": k}):
                 scores = self.scorer.score_proposals(req, proposals)
+            if warming is not None:
+                warming.result()  # raises what the proposer raised; its proposals are discarded
         t_scored = time.perf_counter()
         with tracing.child_span("rejection_sample") as span:
             emitted, accepted = verify(self.sampler, req, proposals, scores)

@@ -4,7 +4,6 @@ budget, so streams already running keep their pace, and every output stays the t
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import statistics
 import threading
@@ -17,6 +16,7 @@ import torch
 from bench.tiny_models import build_tiny_model
 from orchestrator.client import SpecDecodeClient
 from orchestrator.engine import Sequence, plan_step
+from orchestrator.prefill_pacing import MIN_CHUNK, PrefillPacer
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.conftest import DRAFT, TARGET, greedy_request, make_engine, reference_greedy
 
@@ -45,6 +45,32 @@ def test_plan_gives_running_streams_their_tokens_and_prompts_the_rest():
     plan = plan_step([*busy, long], k_of, 256)
     assert len(plan) == 101 and plan[-1] == (long, 252 * 3 + 64)
     assert plan_step([running, long], k_of, None) == [(running, None), (long, None)]
+    # Paced (beside decoders only): the prompt gets the pace, however much budget is left.
+    long.prefilled = 0
+    assert plan_step([running, long], k_of, 256, paced=32) == [(running, None), (long, 32)]
+    assert plan_step([long], k_of, 256, paced=32) == [(long, 256)]
+
+
+def test_pacer_aims_a_prompt_step_at_twice_a_decode_step():
+    pacer = PrefillPacer()
+    assert pacer.cap() is None  # nothing to pace against yet
+    for _ in range(5):
+        pacer.observe(0.010, 0, decoding=1)  # decode steps: 10 ms
+    assert pacer.cap() == 4 * MIN_CHUNK
+    pacer.observe(0.050, 4 * MIN_CHUNK, decoding=1)  # 5x a decode step: shrinks, by half
+    pacer.observe(0.015, 2 * MIN_CHUNK, decoding=1)  # cheap: grows (at most 2x a step)
+    assert pacer.cap() == 4 * MIN_CHUNK
+    pacer.observe(0.012, 5, decoding=1)  # a short prompt did not use the pace: kept
+    assert pacer.cap() == 4 * MIN_CHUNK
+    pacer.observe(0.040, 4 * MIN_CHUNK, decoding=1)  # 4x a decode step: shrinks, by half
+    assert pacer.cap() == 2 * MIN_CHUNK
+    pacer.observe(0.020, 2 * MIN_CHUNK, decoding=1)  # right on target: kept
+    assert pacer.cap() == 2 * MIN_CHUNK
+    pacer.observe(1.0, 2 * MIN_CHUNK, decoding=1)  # a stall never takes it below MIN_CHUNK
+    pacer.observe(1.0, MIN_CHUNK, decoding=1)
+    assert pacer.cap() == MIN_CHUNK
+    pacer.observe(0.5, 4000, decoding=0)  # no decoder waited: nothing learned
+    assert pacer.cap() == MIN_CHUNK and pacer.decode_step_s == pytest.approx(0.010)
 
 
 @pytest.fixture(scope="module")
@@ -72,50 +98,67 @@ def test_chunked_output_equals_target_in_process(long_models, scoring):
 
 def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
     """A 4,000-token prompt joins beside a running stream (budget 256 tokens per step):
-    the running stream's largest gap stays under 3x its median, both outputs are exact."""
+    the running stream's largest gap stays under 3x its median, both outputs are exact.
+
+    The stream is measured from 30 tokens before the join until 10 tokens after the long
+    request finished (then it is cancelled), so its median covers the join and the stream
+    alone. Noise: a decode step of the tiny models is ~3 ms, about one scheduler time
+    slice, so on a shared machine other processes alone can stretch one gap past 3x. A
+    stall from the prefill (an unchunked prompt: ~10x; the ~1.05 s proposer timeout a chunk
+    used to hit under load: ~300x) is systematic and shows in every attempt, the machine's
+    noise does not: the join is tried up to 5 times, each with a new prompt, and the bound
+    must hold in one; exact outputs and the forward-size bound hold in all."""
     target, _, dirs = long_models
     short = [5, 17, 99, 3]
-    long = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(1)).tolist()
-    n_short, n_long = 120, 8
+    n_long, join_at, before, after = 8, 40, 30, 10
     config = StackConfig(target_model=dirs["target"], draft_model=dirs["draft"],
                          tokenizer="none", device="cpu", num_speculative_tokens=3, port=0,
                          orchestrator_args=["--max-num-batched-tokens", "256"])
+    ratios, streamed = [], []
     with LocalStack(config) as stack, SpecDecodeClient(stack.address) as client:
         client.generate(short, max_tokens=4)  # warm up both services
-        times, tokens, joined = [], [], {}
+        for attempt in range(5):
+            long = torch.randint(0, 256, (4000,),
+                                 generator=torch.Generator().manual_seed(attempt)).tolist()
+            times, tokens, joined = [], [], {}
 
-        def join_long():
-            joined["start"] = time.perf_counter()
-            joined["tokens"] = client.generate(long, max_tokens=n_long).token_ids
-            joined["end"] = time.perf_counter()
+            def join_long():
+                joined["start"] = time.perf_counter()
+                joined["tokens"] = client.generate(long, max_tokens=n_long).token_ids
+                joined["end"] = time.perf_counter()
 
-        thread = threading.Thread(target=join_long)
-        for response in client.stream(short, max_tokens=n_short):
-            times.append(time.perf_counter())
-            tokens += response.token_ids
-            if len(times) == 10:
-                thread.start()
-        thread.join()
+            thread = threading.Thread(target=join_long)
+            call = client.stream(short, max_tokens=2000)
+            for response in call:
+                times.append(time.perf_counter())
+                tokens += response.token_ids
+                if len(times) == join_at:
+                    thread.start()
+                if sum(t > joined.get("end", float("inf")) for t in times) > after:
+                    call.cancel()
+                    break
+            thread.join()
+            assert "end" in joined and times[-1] > joined["end"], "the stream ended first"
+            streamed.append(tokens)
+            assert joined["tokens"] == reference_greedy(target, long, n_long)
+            gaps = [b - a for a, b in zip(times, times[1:])][join_at - before:]
+            alone = statistics.median(gaps[:before - 1])
+            median, worst = statistics.median(gaps), max(gaps)
+            ratios.append(worst / median)
+            print(f"attempt {attempt}: the running stream's median gap {median * 1e3:.1f} ms "
+                  f"({alone * 1e3:.1f} ms alone), largest {worst * 1e3:.1f} ms "
+                  f"({ratios[-1]:.2f}x the median, {worst / alone:.2f}x alone); the long "
+                  f"prompt took {joined['end'] - joined['start']:.2f} s")
+            if ratios[-1] < 3:
+                break
         largest = {role: largest_forward(stack, role) for role in ("proposer", "scorer")}
     # The structural property, free of timing noise: no forward pass on either service
     # computed more than ~the step budget (without chunks the scorer's first forward of the
     # long prompt computes 4,000 tokens, the draft's the same on its first decode step).
     assert max(largest.values()) <= 1024, largest
-    gaps = [b - a for a, b in zip(times[5:], times[6:])]
-    median, worst = statistics.median(gaps), max(gaps)
-    during = [b - a for a, b in zip(times, times[1:]) if joined["start"] <= a <= joined["end"]]
-    print(f"running stream: median gap {median * 1e3:.1f} ms, largest {worst * 1e3:.1f} ms "
-          f"({worst / median:.2f}x); {len(during)} responses while the long prompt was in "
-          f"({joined['end'] - joined['start']:.2f} s)")
-    assert during, "the long request did not overlap the running stream"
-    assert tokens == reference_greedy(target, short, n_short)
-    assert joined["tokens"] == reference_greedy(target, long, n_long)
-    # The issue's bound (largest gap < 3x median) is checked only with
-    # SPECDECODE_STRICT_TIMING=1: it does not hold yet (one ~1.05 s gap, reproducible, while
-    # the long prompt is prefilled; see /work/coord/notes/guard.md), and other processes on
-    # a shared machine stall gaps too. The structural bound above always holds.
-    if os.environ.get("SPECDECODE_STRICT_TIMING") == "1":
-        assert worst < 3 * median
+    expected = reference_greedy(target, short, max(map(len, streamed)))
+    assert all(tokens == expected[:len(tokens)] for tokens in streamed)
+    assert min(ratios) < 3, ratios
 
 
 def largest_forward(stack: LocalStack, role: str) -> float:

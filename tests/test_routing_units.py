@@ -64,6 +64,9 @@ def request(prompt_len: int, output_len: int, k: int) -> ExecuteModelRequest:
 def test_timeout_grows_with_the_steps_work():
     assert step_tokens(request(100, 0, 4)) == 100  # a prompt: all of it
     assert step_tokens(request(100, 5, 4)) == 5  # then the k + 1 scored positions
+    chunk = request(300, 0, 1)  # a prompt chunk (chunked prefill): the prefix so far
+    chunk.seq_group_metadata_list[0].is_prompt = False
+    assert step_tokens(chunk) == 300
     t = CallTimeout(floor_s=2.0, factor=4.0, seconds_per_token=0.01)
     assert t.timeout(0) == 2.0 and t.timeout(100) == pytest.approx(6.0)
     for _ in range(50):
