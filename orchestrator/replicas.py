@@ -295,8 +295,13 @@ class ReplicaSet:
         try:
             client.release_sequences(seq_ids)
         except grpc.RpcError as exc:  # a replica that lost its cache has nothing to free
-            log.warning("%s replica %s: releasing %d sequences failed: %s", self.role, address,
-                        len(seq_ids), exc.code().name)
+            with self._lock:
+                replica = self._replicas.get(address)
+                up = replica is not None and replica.up
+            # Expected while it is down (one line per finished step otherwise).
+            (log.warning if up else log.debug)(
+                "%s replica %s: releasing %d sequences failed: %s", self.role, address,
+                len(seq_ids), exc.code().name)
 
     def total(self, counter: str):
         """A client counter (one of COUNTERS) summed over every replica there has been."""
