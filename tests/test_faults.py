@@ -300,6 +300,9 @@ def test_sigterm_cancels_streams_that_outlive_the_grace(pair, reference):
                                num_speculative_tokens=0) for i in range(8)]
         pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_running_sequences") == 8,
                       30, "8 streams running")
+        generated = pair.metric("orchestrator", "specdecode_generation_tokens_total")
+        pair.wait_for(lambda: pair.metric("orchestrator", "specdecode_generation_tokens_total")
+                      >= generated + 16, 30, "two more steps: every stream has tokens")
         scorer.send_signal(signal.SIGSTOP)
         try:
             time.sleep(0.2)  # the step under way waits on the scorer
@@ -330,6 +333,12 @@ def trio(tiny_model_dirs, tmp_path_factory):
         cluster.stop()
 
 
+# Enough sequences that each replica owns some: a sequence's replica follows from its id,
+# whose prefix is random per orchestrator; 32 sequences all miss one of 3 replicas with
+# probability 3 x (2/3)^32 < 1e-5 (12 missed one 2% of the time).
+SPREAD = [i % len(PROMPTS) for i in range(32)]
+
+
 def run_streams(address: str, indices: list[int], n: int) -> list[tuple]:
     with concurrent.futures.ThreadPoolExecutor(len(indices)) as pool:
         return list(pool.map(lambda i: stream(address, PROMPTS[i], n), indices))
@@ -344,9 +353,9 @@ def test_affinity_keeps_kv_cache_hits_high(trio, reference):
     h0, m0 = hits(), misses()
     steps0 = [trio.metric("orchestrator", "specdecode_replica_steps_total",
                           trio.address(s)) for s in trio.scorers]
-    results = run_streams(trio.address("orchestrator"), list(range(12)), 120)
-    for i, (tokens, *_) in enumerate(results):
-        assert tokens == reference(i)[:120], i
+    results = run_streams(trio.address("orchestrator"), SPREAD, 60)
+    for i, (tokens, *_) in zip(SPREAD, results):
+        assert tokens == reference(i)[:60], i
     h, m = hits() - h0, misses() - m0
     steps = [trio.metric("orchestrator", "specdecode_replica_steps_total", trio.address(s)) - s0
              for s, s0 in zip(trio.scorers, steps0)]
@@ -379,7 +388,7 @@ def test_scorer_replica_killed_mid_stream(trio, reference):
     trio.wait_for(lambda: trio.metric("orchestrator", "specdecode_replica_up", label) == 1, 10,
                   "the restarted replica is back on the ring")
     before = trio.metric("orchestrator", "specdecode_replica_steps_total", label)
-    run_streams(address, list(range(8)), 16)
+    run_streams(address, SPREAD, 16)
     assert trio.metric("orchestrator", "specdecode_replica_steps_total", label) > before
     print(f"\nkilled {busiest}: largest token gap "
           f"{max(max_gap(t) for _, t, _, _ in results):.2f}s (bound {SCORER_RETRY_S}s)")
@@ -414,7 +423,7 @@ def test_proposer_replica_killed_mid_stream(trio, reference):
                                       f'replica="{trio.address(victim)}"') == 1, 10,
                   "the restarted proposer replica is back on the ring")
     before = steps(victim)
-    run_streams(address, list(range(8)), 16)
+    run_streams(address, SPREAD, 16)
     assert steps(victim) > before
     print(f"\nkilled {victim}: {fell_back:.0f} sequence-steps without proposals, "
           f"{took_over:.0f} proposer calls to {survivor} meanwhile; back on the ring after "
