@@ -63,30 +63,32 @@ def scrape(stack: LocalStack) -> dict[str, float]:
             "resends": value("specdecode_full_resends_total")}
 
 
-def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
-              decode_only: bool = False, **params) -> dict:
-    """All prompts at once, one stream each: tokens/s, bytes per step, outputs. With
-    decode_only (one prompt), per-step numbers count decode steps only: from the first
-    streamed message (the prompt's own step, which sends it in full, is behind it)."""
-    before: dict[str, float] = {}
-
+def measure(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
+            **params) -> tuple[dict[str, float], float, list[list[int]]]:
+    """All prompts at once, one stream each: (metric deltas, seconds, outputs)."""
     def one(prompt):
         with SpecDecodeClient(stack.address) as client:
-            tokens = []
-            for message in client.stream(prompt, max_tokens=max_tokens, **params):
-                if decode_only and not before:
-                    time.sleep(0.2)  # the step's metrics are recorded after its message
-                    before.update(scrape(stack))
-                tokens += message.token_ids
-            return tokens
-    if not decode_only:
-        before.update(scrape(stack))
+            return [t for m in client.stream(prompt, max_tokens=max_tokens, **params)
+                    for t in m.token_ids]
+    before = scrape(stack)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outputs = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
+    time.sleep(0.2)  # the last step's metrics are recorded after its message
     after = scrape(stack)
-    d = {key: after[key] - before[key] for key in after}
+    return {key: after[key] - before[key] for key in after}, seconds, outputs
+
+
+def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
+              decode_only: bool = False, **params) -> dict:
+    """Tokens/s, bytes per step, outputs. With decode_only, per-step numbers count decode
+    steps only: a run of the prompt's step alone (max_tokens=1: it sends the prompt in full)
+    is subtracted."""
+    d, seconds, outputs = measure(stack, prompts, max_tokens, **params)
+    if decode_only:
+        prompt_step, _, _ = measure(stack, prompts, 1, **params)
+        d = {key: d[key] - prompt_step[key] for key in d}
     return {"tokens_per_s": sum(map(len, outputs)) / seconds,
             "bytes_per_step": d["bytes"] / d["steps"], "step_ms": 1000 * seconds / d["steps"],
             "proposer_busy": d["proposer_busy_s"] / seconds,
