@@ -7,7 +7,7 @@
    `--pair qwen` (Qwen2.5-Coder 0.5B -> 1.5B, bf16) or `--pair smollm2` (SmolLM2 drafting
    for itself, float32), stack with deltas off (the old wire) and on;
 3. aggregate tokens/s at B=8 with and without overlap, proposer and scorer pinned to
-   separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, k=2), and
+   separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, --overlap-k), and
    whether both runs gave the same tokens.
 
     python bench/services_bench.py [--pair qwen|smollm2] [--sections bytes,b1,overlap]
@@ -174,19 +174,19 @@ def section_b1(pair: str, repeats: int, max_tokens: int) -> list[dict]:
     return rows
 
 
-def section_overlap(repeats: int, max_tokens: int) -> list[dict]:
+def section_overlap(repeats: int, max_tokens: int, k: int) -> list[dict]:
     target_dir, _, _, _, prompts = load_pair("smollm2")
     prompts = [prompts[i % len(prompts)] for i in range(8)]
     rows = []
     for overlap in (False, True):
         config = StackConfig(target_model=target_dir, draft_model=target_dir, device="cpu",
-                             num_speculative_tokens=2, port=0,
+                             num_speculative_tokens=k, port=0,
                              pin={"proposer": "0", "scorer": "1"},
                              speculation="fixed",
                              extra_env={"SPECDECODE_OVERLAP": str(overlap).lower()})
         with LocalStack(config) as stack:
             r = median([run_stack(stack, prompts, max_tokens) for _ in range(repeats)])
-        rows.append({"section": "overlap", "overlap": overlap, **r})
+        rows.append({"section": "overlap", "overlap": overlap, "k": k, **r})
     return rows
 
 
@@ -222,7 +222,7 @@ def print_tables(console: Console, rows: list[dict]) -> None:
     ov = [r for r in rows if r["section"] == "overlap"]
     if ov:
         off = next(r for r in ov if not r["overlap"])
-        t = Table(title="B=8, SmolLM2 drafting for itself, k=2, proposer on core 0, scorer on "
+        t = Table(title=f"B=8, SmolLM2 drafting for itself, k={off['k']}, proposer on core 0, scorer on "
                         "core 1 (one thread each)")
         for col in ("overlap", "tokens/s", "vs without", "proposer busy", "scorer busy",
                     "same tokens"):
@@ -241,8 +241,11 @@ def print_tables(console: Console, rows: list[dict]) -> None:
 @click.option("--sections", default="bytes,b1,overlap", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
+@click.option("--overlap-k", default=2, show_default=True,
+              help="Speculative tokens per step in the overlap section.")
 @click.option("--out", default="bench/results/services.json", show_default=True)
-def main(pair: str, sections: str, repeats: int, max_tokens: int, out: str) -> None:
+def main(pair: str, sections: str, repeats: int, max_tokens: int, overlap_k: int,
+         out: str) -> None:
     console = Console(width=160)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,7 +255,7 @@ def main(pair: str, sections: str, repeats: int, max_tokens: int, out: str) -> N
             elif section == "b1":
                 new = section_b1(pair, repeats, max_tokens)
             elif section == "overlap":
-                new = section_overlap(repeats, max_tokens)
+                new = section_overlap(repeats, max_tokens, overlap_k)
             else:
                 raise click.BadParameter(f"unknown section {section!r}", param_hint="--sections")
             print_tables(console, new)
