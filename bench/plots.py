@@ -37,16 +37,18 @@ def speedup_by_k(rows: list[dict], model: str, path: str | Path) -> None:
 
 
 def acceptance_by_position(rows: list[dict], model: str, path: str | Path) -> None:
-    """Fraction of speculating sequence-steps that emitted draft position j, per k."""
-    rows = [r for r in rows if r["model"] == model and r["k"] and r["batch"] == 1
-            and r["mode"] == "multi-query"]
+    """Fraction of speculating sequence-steps that emitted draft position j, per k, at the
+    largest batch (the most prompts, the most sequence-steps)."""
+    rows = [r for r in rows if r["model"] == model and r["k"] and r["mode"] == "multi-query"]
+    batch = max((r["batch"] for r in rows), default=1)
+    rows = [r for r in rows if r["batch"] == batch]
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in sorted(rows, key=lambda r: r["k"]):
         rates = [n / r["spec_sequences"] if r["spec_sequences"] else 0.0
                  for n in r["accepted_by_position"]]
         ax.plot(range(len(rates)), rates, marker="o", label=f"k={r['k']}")
     ax.set(xlabel="draft position", ylabel="accepted (fraction of sequence-steps)", ylim=(0, 1),
-           title=f"{model}: acceptance by draft position")
+           title=f"{model}: acceptance by draft position, batch {batch}")
     ax.legend(fontsize=8)
     _save(fig, path)
 
