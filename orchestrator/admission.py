@@ -1,7 +1,7 @@
 """What one request may ask for, and how many may be in the orchestrator at once
 (docs/security.md; invariant 7: work is bounded).
 
-Two small interfaces any front end calls (the gRPC servicer; an HTTP API the same way):
+Two small interfaces both public APIs call, through orchestrator.generation.Frontend:
 
 - `RequestLimits.check_*`: bounds on a request's fields, checked before any work is spent
   on it (tokenizing a huge text, allocating a sequence); InvalidRequestError names the
@@ -72,13 +72,14 @@ class RequestLimits:
 
     def check_fields(self, *, request_id: str, text: str | None, num_token_ids: int,
                      temperature: float, top_p: float, stop: list[str],
-                     stop_token_ids: list[int], num_speculative_tokens: int | None) -> None:
-        """Checks that need no tokenizer: run them first."""
+                     stop_token_ids: list[int], num_speculative_tokens: int | None,
+                     text_field: str = "prompt.text") -> None:
+        """Checks that need no tokenizer: run them first. `text_field` names the text."""
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"{len(request_id)} characters; at most "
                                                     f"{MAX_REQUEST_ID_CHARS}")
         if text is not None and len(text.encode()) > self.max_text_bytes:
-            raise InvalidRequestError("prompt.text", f"{len(text.encode())} bytes; at most "
+            raise InvalidRequestError(text_field, f"{len(text.encode())} bytes; at most "
                                       f"{self.max_text_bytes} ({TEXT_BYTES_PER_TOKEN} per "
                                       f"token of the {self.max_prompt_tokens}-token limit)")
         self.check_prompt_len(num_token_ids)
@@ -168,6 +169,9 @@ class Slot:
         if self._open:
             self._open = False
             self._admission._leave(time.monotonic() - self._start)
+
+    def __del__(self) -> None:  # a response dropped before it ran (a client gone early)
+        self.release()
 
     def __enter__(self) -> Slot:
         return self

@@ -4,7 +4,10 @@ text, token ids and logprobs, with the serving metrics and the request's trace s
 
 The API layers only translate: their request into a `Generation`, each `Delta` into their
 response messages, and the exceptions into their error codes (InvalidRequestError is the
-client's fault and names the field; anything else is the server's).
+client's fault and names the field; Overloaded is a full server; anything else is the
+server's). Both go through the same guard (docs/security.md), in this order: `admit` (a
+slot, held until the response ends), `check_fields` (bounds that need no tokenizer),
+`tokenize_off_loop`, then `build` (prompt length, max_tokens within the model length).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from orchestrator import metrics, semconv
+from orchestrator.admission import Admission, Overloaded, RequestLimits, Slot
 from orchestrator.engine import Request, RequestStats, StepOutput, TokenLogprobs
 from orchestrator.engine_loop import EngineLoop
 from orchestrator.text import TextStream
@@ -83,25 +87,47 @@ _CANCEL = (None, None)
 
 
 class Frontend:
-    """Builds Generations (tokenizing, defaults, validation) and runs them on the engine loop.
-    Serves after `attach`; `loaded` says whether it has been."""
+    """Builds Generations (limits, tokenizing, defaults, validation) and runs them on the
+    engine loop, for every public API. Serves after `attach`; `loaded` says whether it has
+    been. `limits` (after attach) bound each request's fields, `admission` how many requests
+    are inside at once."""
 
     loop: EngineLoop
     tokenizer = None
     loaded = False
     model_name = ""  # the target model's (gen_ai.request.model)
+    limits: RequestLimits | None = None
 
     def __init__(self, default_max_tokens: int = 256, max_speculative_tokens: int = 16,
-                 max_n: int = 16):
+                 max_n: int = 16, admission: Admission | None = None):
         self.default_max_tokens = default_max_tokens
         self.max_speculative_tokens = max_speculative_tokens
         self.max_n = max_n
         # The output queue of every running generation, with its event loop.
         self._queues: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
+        self.admission = admission or Admission(max_running=64, max_queued=256)
 
-    def attach(self, loop: EngineLoop, tokenizer, model_name: str = "") -> None:
+    def attach(self, loop: EngineLoop, tokenizer, model_name: str = "",
+               limits: RequestLimits | None = None) -> None:
         self.loop, self.tokenizer, self.loaded = loop, tokenizer, True
-        self.model_name = model_name
+        self.model_name, self.limits = model_name, limits
+
+    def admit(self) -> Slot:
+        """A slot for one request, to release when its response ends; Overloaded when the
+        server is full (RESOURCE_EXHAUSTED / HTTP 429, with a retry hint)."""
+        try:
+            return self.admission.admit()
+        except Overloaded:
+            metrics.REQUESTS.labels("overloaded").inc()
+            raise
+
+    def check_fields(self, **fields) -> None:
+        """RequestLimits.check_fields, before any tokenizing (no-op before attach)."""
+        if self.limits is not None:
+            self.limits.check_fields(**fields)
+
+    async def tokenize_off_loop(self, text: str, field_name: str = "prompt.text") -> list[int]:
+        return await asyncio.to_thread(self.tokenize, text, field_name)
 
     @property
     def engine(self):
@@ -124,6 +150,10 @@ class Frontend:
         the server default; the model's end-of-sequence token stops unless ignore_eos."""
         if max_tokens < 0:
             raise InvalidRequestError("max_tokens", f"must be >= 0, got {max_tokens}")
+        if self.limits is not None:
+            self.limits.check_prompt_len(len(prompt))
+            max_tokens = self.limits.max_tokens_for(len(prompt), max_tokens,
+                                                    self.default_max_tokens)
         if not 1 <= n <= self.max_n:
             raise InvalidRequestError("n", f"must be in [1, {self.max_n}], got {n}")
         k = num_speculative_tokens

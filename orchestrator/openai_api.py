@@ -16,13 +16,22 @@ starts with the field's name), 404 for an unknown model, 503 while loading or wh
 proposer or scorer cannot be reached, 500 otherwise. Fields this server cannot honour
 (`echo`, `suffix`, `best_of` other than n, tools, non-text response formats) are refused
 with 400, never ignored.
+
+The guard is the gRPC API's (orchestrator.generation.Frontend, docs/security.md): bearer
+tokens (401), request bodies over the size the request limits need (413), field limits
+(400 naming the field: prompt length, max_tokens within the model length, stop strings,
+finite temperature/top_p, k at most the server's), and admission: when the running and
+queued requests are at their limits, 429 with `Retry-After` (seconds) and `retry-after-ms`,
+as gRPC answers RESOURCE_EXHAUSTED with its `retry-after-ms` trailer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -32,8 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from orchestrator import finish_reason
+from orchestrator.admission import Overloaded, Slot
 from orchestrator.engine import TokenLogprobs
 from orchestrator.replicas import ServiceUnavailableError
 from orchestrator.generation import Delta, Frontend, Generation, ServedModel
@@ -50,10 +61,15 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = \
             status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -65,6 +81,10 @@ def _api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.field)
+    if isinstance(exc, Overloaded):  # gRPC's RESOURCE_EXHAUSTED, in HTTP's words
+        return APIError(429, str(exc), "rate_limit_error", code="server_busy", headers={
+            "Retry-After": str(math.ceil(exc.retry_after_s)),
+            "retry-after-ms": str(int(exc.retry_after_s * 1000))})
     if isinstance(exc, (grpc.RpcError, ServiceUnavailableError)):  # a service failed
         return APIError(503, f"a backend service failed: {exc}", "service_unavailable")
     return APIError(500, f"{type(exc).__name__}: {exc}", "internal_server_error")
@@ -133,12 +153,14 @@ class ChatCompletionRequest(_Sampling):
 # -- the app -----------------------------------------------------------------------------------
 
 def create_app(frontend: Frontend, served: Callable[[], ServedModel | None],
-               tokens: TokenSet | None = None) -> FastAPI:
+               tokens: TokenSet | None = None, max_body_bytes: int = 2 << 20) -> FastAPI:
     """The HTTP app over `frontend`; `served()` describes the model (None while loading).
     With `tokens` (the gRPC API's --auth-token-file), every /v1/ call needs one of them as
-    `Authorization: Bearer <token>` (401 otherwise); /health stays open, as for gRPC."""
+    `Authorization: Bearer <token>` (401 otherwise); /health stays open, as for gRPC.
+    A request body over `max_body_bytes` gets 413 before it is parsed."""
     app = FastAPI(title="specdecode OpenAI-compatible API", docs_url=None, redoc_url=None)
     api = _OpenAIApi(frontend, served)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     if tokens is not None:
         @app.middleware("http")
@@ -152,7 +174,16 @@ def create_app(frontend: Frontend, served: Callable[[], ServedModel | None],
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
+
+    @app.exception_handler(Overloaded)
+    async def on_overloaded(request: Request, exc: Overloaded):
+        return _api_error(exc).response()
+
+    @app.exception_handler(HTTPException)  # unknown routes, wrong methods, 413: same shape
+    async def on_http_error(request: Request, exc: HTTPException):
+        return APIError(exc.status_code, str(exc.detail), code=str(exc.status_code),
+                        headers=exc.headers).response()
 
     @app.exception_handler(InvalidRequestError)
     async def on_invalid_request(request: Request, exc: InvalidRequestError):
@@ -183,11 +214,11 @@ def create_app(frontend: Frontend, served: Callable[[], ServedModel | None],
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        return await api.completions(body)
+        return await api.admitted(api.completions, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        return await api.chat(body)
+        return await api.admitted(api.chat, body)
 
     return app
 
@@ -196,6 +227,30 @@ class _OpenAIApi:
     def __init__(self, frontend: Frontend, served: Callable[[], ServedModel | None]):
         self.frontend, self._served = frontend, served
         self.created = int(time.time())
+
+    async def admitted(self, handler, body: _Sampling):
+        """Run a generation handler in an admission slot (429 when the server is full),
+        held until its response ends: a streamed one releases it when its stream ends."""
+        self.served()  # 503 while loading, before taking a slot
+        slot = self.frontend.admit()
+        try:
+            response = await handler(body, slot)
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            slot.release()
+        return response
+
+    def _check_fields(self, body: _Sampling, *, text: str | None = None,
+                      text_field: str = "prompt", num_token_ids: int = 0) -> None:
+        """The request limits that need no tokenizer (RequestLimits.check_fields)."""
+        self.frontend.check_fields(
+            request_id="", text=text, text_field=text_field, num_token_ids=num_token_ids,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, stop=_stop_list(body),
+            stop_token_ids=body.stop_token_ids or [],
+            num_speculative_tokens=body.num_speculative_tokens)
 
     def served(self) -> ServedModel:
         info = self._served()
@@ -220,7 +275,7 @@ class _OpenAIApi:
             except ValueError:
                 raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") \
                     from None
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stop = _stop_list(body)
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
         return self.frontend.build(
@@ -236,7 +291,7 @@ class _OpenAIApi:
 
     # -- completions ---------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, slot: Slot):
         served = self._check_model(body.model)
         for name, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
                           ("best_of", body.best_of not in (None, body.n))):
@@ -248,7 +303,10 @@ class _OpenAIApi:
                 raise APIError(400, "prompt: one prompt per request (batches are not "
                                     "supported; use n for several samples)", param="prompt")
             prompt = prompt[0]
-        ids = self.frontend.tokenize(prompt, "prompt") if isinstance(prompt, str) else prompt
+        text = prompt if isinstance(prompt, str) else None
+        self._check_fields(body, text=text, num_token_ids=0 if text is not None else len(prompt))
+        ids = await self.frontend.tokenize_off_loop(text, "prompt") if text is not None \
+            else prompt
         gen = self._build(body, list(ids), body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{gen.request_id}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created,
@@ -273,7 +331,7 @@ class _OpenAIApi:
                             total = add_usage(total, d.usage)
                 if include_usage:
                     yield {**base, "choices": [], "usage": openai_usage(total)}
-            return _sse(events())
+            return _sse(events(), slot)
 
         choices: dict[int, dict] = {}
         total = Usage(prompt_tokens=len(gen.prompt_token_ids))
@@ -314,7 +372,7 @@ class _OpenAIApi:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         return tok(text, add_special_tokens=False).input_ids
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, slot: Slot):
         served = self._check_model(body.model)
         if body.tools:
             raise APIError(400, "tools: not supported by this server", param="tools")
@@ -323,7 +381,10 @@ class _OpenAIApi:
                            param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-        prompt = self._chat_prompt(body)
+        self._check_fields(body, text_field="messages", text="".join(
+            m.content if isinstance(m.content, str) else json.dumps(m.content or "")
+            for m in body.messages))
+        prompt = await asyncio.to_thread(self._chat_prompt, body)
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         gen = self._build(body, prompt, body.max_completion_tokens or body.max_tokens,
                           n_logprobs)
@@ -358,7 +419,7 @@ class _OpenAIApi:
                             total = add_usage(total, d.usage)
                 if include_usage:
                     yield {**chunk, "choices": [], "usage": openai_usage(total)}
-            return _sse(events())
+            return _sse(events(), slot)
 
         choices: dict[int, dict] = {}
         total = Usage(prompt_tokens=len(gen.prompt_token_ids))
@@ -428,9 +489,45 @@ def _merge_completion_logprobs(acc: dict | None, new: dict) -> dict:
     return {key: acc[key] + new[key] for key in acc}
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _stop_list(body: _Sampling) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a request body over max_bytes, by its Content-Length
+    before anything is read, or while a chunked one is read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self, size: str) -> HTTPException:
+        return HTTPException(413, f"request body: {size} bytes; at most {self.max_bytes} "
+                                  f"(from the request limits: --max-prompt-tokens)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            error = self._too_large(length.decode())
+            response = APIError(413, error.detail, code="413").response()
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise self._too_large(f"more than {seen}")
+            return message
+        await self.app(scope, limited, send)
+
+
+def _sse(events: AsyncIterator[dict], slot: Slot) -> StreamingResponse:
     """Server-sent events: each chunk as `data: <json>`, then `data: [DONE]`; an error
-    after the stream began is sent as one `data: {"error": ...}` event."""
+    after the stream began is sent as one `data: {"error": ...}` event. `slot` (the
+    request's admission) is released when the stream ends."""
 
     async def body() -> AsyncIterator[str]:
         try:
@@ -443,6 +540,7 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:  # also when the client goes away: its samples are aborted at once
             await events.aclose()
+            slot.release()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",

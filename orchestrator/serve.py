@@ -42,7 +42,7 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     http_port: the OpenAI-compatible HTTP API's port on the same host (0 = off); it answers
     503 until the services are checked, and drains with the gRPC server.
     security: how to reach the services (mutual TLS, or a bearer token).
-    admission: request limits, concurrency and the per-step token budget (gRPC API)."""
+    admission: request limits, concurrency and the per-step token budget (both APIs)."""
     from orchestrator.admission import Admission, RequestLimits
     from orchestrator.engine import SpecDecodeEngine
     from orchestrator.engine_loop import EngineLoop
@@ -117,8 +117,9 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
         from orchestrator.openai_api import create_app
         from specdecode.auth import TokenSet
         tokens = TokenSet(options.auth_token_file) if options.auth_token_file else None
+        # A JSON body may spell a prompt less tightly than protobuf: twice its byte limit.
         app = create_app(servicer.frontend, lambda: servicer.info if servicer.loaded else None,
-                         tokens)
+                         tokens, max_body_bytes=2 * admission.max_request_bytes)
         companions.append(HttpServer(app, options.host, http_port, options.grace_seconds,
                                      options.tls))
     try:

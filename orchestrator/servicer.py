@@ -32,21 +32,20 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
 
 class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServiceServicer):
     """Serves after attach(loop=EngineLoop, tokenizer=tokenizer or None, info=ServedModel,
-    limits=RequestLimits); the OpenAI HTTP API shares its `frontend`. `admission` bounds the
-    requests inside (running or queued)."""
+    limits=RequestLimits); the OpenAI HTTP API shares its `frontend`, with its limits and
+    `admission` (the requests inside, running or queued, from both APIs together)."""
 
     info: ServedModel
-    limits: RequestLimits | None = None
 
     def __init__(self, default_max_tokens: int = 256, max_speculative_tokens: int = 16,
                  admission: Admission | None = None):
-        self.frontend = Frontend(default_max_tokens, max_speculative_tokens)
-        self.admission = admission or Admission(max_running=64, max_queued=256)
+        self.frontend = Frontend(default_max_tokens, max_speculative_tokens,
+                                 admission=admission)
 
     def attach(self, loop: EngineLoop, tokenizer, info: ServedModel,
                limits: RequestLimits | None = None) -> None:
-        self.frontend.attach(loop, tokenizer, info.model_name)
-        super().attach(info=info, limits=limits)
+        self.frontend.attach(loop, tokenizer, info.model_name, limits)
+        super().attach(info=info)
 
     @property
     def model_name(self) -> str:  # the metrics' model_name label
@@ -57,23 +56,17 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
         need no tokenizer come first; text is tokenized off the event loop."""
         kind = m.WhichOneof("prompt")
         k = m.num_speculative_tokens if m.HasField("num_speculative_tokens") else None
-        if self.limits is not None:
-            self.limits.check_fields(
-                request_id=m.request_id, text=m.text if kind == "text" else None,
-                num_token_ids=len(m.token_ids.ids) if kind == "token_ids" else 0,
-                temperature=m.temperature, top_p=m.top_p, stop=list(m.stop),
-                stop_token_ids=list(m.stop_token_ids), num_speculative_tokens=k)
+        self.frontend.check_fields(
+            request_id=m.request_id, text=m.text if kind == "text" else None,
+            num_token_ids=len(m.token_ids.ids) if kind == "token_ids" else 0,
+            temperature=m.temperature, top_p=m.top_p, stop=list(m.stop),
+            stop_token_ids=list(m.stop_token_ids), num_speculative_tokens=k)
         if kind == "text":
-            prompt = await asyncio.to_thread(self.frontend.tokenize, m.text)
+            prompt = await self.frontend.tokenize_off_loop(m.text)
         else:
             prompt = list(m.token_ids.ids) if kind else []
-        max_tokens = m.max_tokens
-        if self.limits is not None:
-            self.limits.check_prompt_len(len(prompt))
-            max_tokens = self.limits.max_tokens_for(len(prompt), m.max_tokens,
-                                                    self.frontend.default_max_tokens)
         return self.frontend.build(
-            prompt, max_tokens=max_tokens, temperature=m.temperature, top_k=m.top_k,
+            prompt, max_tokens=m.max_tokens, temperature=m.temperature, top_k=m.top_k,
             top_p=m.top_p or 1.0, min_p=m.min_p, repetition_penalty=m.repetition_penalty or 1.0,
             presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
             logit_bias=dict(m.logit_bias), seed=m.seed if m.HasField("seed") else None,
@@ -90,9 +83,8 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await self.require_loaded(context)
         try:
-            slot = self.admission.admit()
+            slot = self.frontend.admit()
         except Overloaded as exc:
-            metrics.REQUESTS.labels("overloaded").inc()
             context.set_trailing_metadata(
                 (("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -4,14 +4,19 @@ fuzz run of malformed messages against all three services."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
+import socket
 import statistics
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,7 +28,7 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
                                  SequenceGroupMetadata)
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, scorer_service_pb2,
                            sequence_pb2, tensor_pb2)
-from specdecode_stack.local import LocalStack, StackConfig
+from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.conftest import reference_greedy
 
 STREAM_PROMPT, STREAM_TOKENS = [11, 22, 33, 44, 55], 200
@@ -36,7 +41,7 @@ GENERATE = "/specdecode.v1.SpecDecodeService/Generate"
 def stack(tiny_model_dirs):
     config = StackConfig(target_model=tiny_model_dirs["target"],
                          draft_model=tiny_model_dirs["draft"], tokenizer="none", device="cpu",
-                         num_speculative_tokens=3, port=0,
+                         num_speculative_tokens=3, port=0, http_port=free_port(),
                          orchestrator_args=["--max-running-requests", "2",
                                             "--max-queued-requests", "1"])
     with LocalStack(config) as s:
@@ -114,7 +119,7 @@ def test_issue_table_rows_get_clear_statuses_fast(stack, target_model):
     baseline.thread.start()
     baseline.thread.join()
     assert baseline.tokens == want
-    scorer_rss0 = peak_rss_mb(stack, "scorer")
+    scorer_rss0, orchestrator_rss0 = peak_rss_mb(stack, "scorer"), peak_rss_mb(stack, "orchestrator")
     stopped0 = metric(stack, "scorer", "specdecode_model_calls_stopped_total")
 
     public = grpc.insecure_channel(stack.address)
@@ -164,7 +169,8 @@ def test_issue_table_rows_get_clear_statuses_fast(stack, target_model):
         report.append(f"{what}: {code.name} in {seconds * 1e3:.0f} ms: {details[:90]}")
         assert (code, text in details) == (status, True), report[-1]
         assert seconds < 1.0, report[-1]
-    scorer_rss_rows = peak_rss_mb(stack, "scorer")
+    scorer_rss_rows, orchestrator_rss_rows = (peak_rss_mb(stack, "scorer"),
+                                              peak_rss_mb(stack, "orchestrator"))
     # A forward whose caller is gone is stopped, and the next call is not queued behind it.
     heavy = score_request(256, 255, 0, first_id=50_000, output=0)  # 65,280 new tokens
     code, _, _ = call(scorer, SCORE, heavy, timeout=0.3)
@@ -180,41 +186,126 @@ def test_issue_table_rows_get_clear_statuses_fast(stack, target_model):
     report.append(f"neighbour's stream: median gap {base * 1e3:.1f} ms alone, {during * 1e3:.1f} "
                   f"ms during the rows (largest {max(stream.gaps()) * 1e3:.0f} ms); scorer peak "
                   f"RSS {scorer_rss0:.0f} MB before, {scorer_rss_rows:.0f} MB after the rows, "
-                  f"{scorer_rss1:.0f} MB after the stopped 65k-token forward")
+                  f"{scorer_rss1:.0f} MB after the stopped 65k-token forward; orchestrator peak "
+                  f"RSS {orchestrator_rss0:.0f} MB before, {orchestrator_rss_rows:.0f} MB after "
+                  f"the rows")
     print("\n".join(report))
     # The [1, 2, 2^31] claim alone grew the scorer to 17 GB before; the rows now cost
     # nothing, and the stopped forward (65k tokens through the model) stays well under 1 GB.
     assert scorer_rss_rows - scorer_rss0 < 64, report[-1]
+    assert orchestrator_rss_rows - orchestrator_rss0 < 256, report[-1]  # 2.8 GB before
     assert scorer_rss1 - scorer_rss0 < 512, report[-1]
     if os.environ.get("SPECDECODE_STRICT_TIMING", "1") != "0":  # see test_chunked_prefill
         assert during < 2 * base, report[-1]
 
 
-# Slow-marked (make test-slow): on a quiet machine the tiny model finishes the holding streams
-# before the fourth request arrives, so it races; it passes only under load. TODO: hold slots
-# deterministically (e.g. a paused scorer) and bring it back to CI.
-@pytest.mark.slow
-def test_full_queue_answers_resource_exhausted_with_a_retry_hint(stack):
-    """--max-running-requests 2 --max-queued-requests 1: a fourth request is refused."""
+def test_full_queue_answers_with_a_retry_hint_on_both_apis(stack, target_model):
+    """--max-running-requests 2 --max-queued-requests 1, one admission for both APIs: with
+    two streams running and one queued, a fourth request is refused at once, over gRPC with
+    RESOURCE_EXHAUSTED and a retry-after-ms trailer, over HTTP with 429, Retry-After and
+    retry-after-ms. The scorer is paused (SIGSTOP) meanwhile, so the held requests cannot
+    finish first; afterwards they finish exact."""
     clients = [SpecDecodeClient(stack.address) for _ in range(4)]
-    streams = [c.stream([1, 2, 3], max_tokens=200) for c in clients[:3]]
+    scorer = stack.processes["scorer"]
+    http = f"http://127.0.0.1:{stack.config.http_port}/v1"
     try:
-        next(streams[0]), next(streams[1])  # two running; the third waits in the queue
-        deadline = time.monotonic() + 10
-        while True:
+        streams = [c.stream(STREAM_PROMPT, max_tokens=100) for c in clients[:2]]
+        firsts = [list(next(s).token_ids) for s in streams]  # both running
+        os.kill(scorer.pid, signal.SIGSTOP)  # ~ms after their first tokens: 99 to go
+        try:
+            queued = clients[2].stream(STREAM_PROMPT, max_tokens=100)
+            time.sleep(0.3)  # it is admitted and waits for a running slot
             with pytest.raises(grpc.RpcError) as err:
                 next(clients[3].stream([1, 2, 3], max_tokens=2))
-            if err.value.code() != grpc.StatusCode.OK or time.monotonic() > deadline:
-                break
+            with openai.OpenAI(base_url=http, api_key="none", max_retries=0) as oa, \
+                    pytest.raises(openai.RateLimitError) as refused:
+                oa.completions.create(model="", prompt=[1, 2, 3], max_tokens=2)
+        finally:
+            os.kill(scorer.pid, signal.SIGCONT)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-queued-requests" in err.value.details()
-        hint = dict(err.value.trailing_metadata())["retry-after-ms"]
-        assert int(hint) >= 1000
+        assert int(dict(err.value.trailing_metadata())["retry-after-ms"]) >= 1000
+        response = refused.value.response
+        assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
+        assert int(response.headers["retry-after-ms"]) >= 1000
+        assert "--max-queued-requests" in response.json()["error"]["message"]
+        want = reference_greedy(target_model, STREAM_PROMPT, 100)
+        for first, s in zip(firsts, [*streams, queued]):
+            assert first + [t for r in s for t in r.token_ids] == want
+        assert [t for r in queued for t in r.token_ids] == want
     finally:
-        for s in streams:
-            s.cancel()
         for c in clients:
             c.close()
+
+
+def test_http_api_applies_the_grpc_limits(stack):
+    """The OpenAI API goes through the same limits (orchestrator.generation.Frontend): the
+    issue's rows, sent as JSON, get 400 naming the field, or 413 for a body over the size
+    the limits need; the real `openai` client sees OpenAI's error shape."""
+    base = f"http://127.0.0.1:{stack.config.http_port}/v1"
+    with openai.OpenAI(base_url=base, api_key="none", max_retries=0) as oa:
+        for kwargs, param, text in [
+            ({"prompt": [1] * 8000}, "prompt", "prompt: 8000 tokens; the limit is 255"),
+            ({"prompt": [1, 2], "max_tokens": 10**9}, "max_tokens",
+             "max_tokens: 1000000000 does not fit"),
+            ({"prompt": [1, 2], "stop": [""]}, "stop[0]", "must have 1 to 256 characters"),
+            ({"prompt": [1, 2], "stop": ["x"] * 17}, "stop", "17 strings; at most 16"),
+            ({"prompt": [1, 2], "extra_body": {"num_speculative_tokens": 16}},
+             "num_speculative_tokens", "must be in [0, 3]"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as err:
+                oa.completions.create(model="", **{"max_tokens": 2, **kwargs})
+            error = err.value.body
+            assert (err.value.status_code, error["param"]) == (400, param), error
+            assert text in error["message"], error
+    # JSON has no infinity, but Python's parser reads one: refused like gRPC's +inf.
+    status, error = post(base, b'{"prompt": [1, 2], "temperature": Infinity}')
+    assert (status, error["error"]["param"]) == (400, "temperature"), error
+    start = time.perf_counter()  # 10 MB, announced (refused from its Content-Length) or chunked
+    status, error = raw_post(stack.config.http_port, 10_000_000, [b'{"prompt": "'])
+    assert status == 413 and "request body: 10000000 bytes" in error["error"]["message"], error
+    status, error = raw_post(stack.config.http_port, None,
+                             [b'{"prompt": "'] + [b"x" * 1_000_000] * 10)
+    assert status == 413 and "request body: more than" in error["error"]["message"], error
+    assert time.perf_counter() - start < 5.0
+    status, ok = post(base, json.dumps({"prompt": [1, 2, 3], "max_tokens": 3}).encode())
+    assert status == 200, ok
+
+
+def raw_post(port: int, length: int | None, parts: list[bytes]) -> tuple[int, dict]:
+    """POST /v1/completions over a socket: Content-Length `length` (None: chunked), then
+    `parts` until the server stops reading; (status, JSON body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        framing = b"Transfer-Encoding: chunked" if length is None else \
+            f"Content-Length: {length}".encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+        for part in parts:
+            try:
+                sock.sendall(part if length is not None else
+                             b"%x\r\n%s\r\n" % (len(part), part))
+            except OSError:  # the server answered and closed
+                break
+        response = b""
+        while b"\r\n\r\n" not in response or len(response.split(b"\r\n\r\n", 1)[1]) < \
+                int(response.lower().split(b"content-length: ", 1)[1].split(b"\r\n")[0]):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    head, body = response.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def post(base: str, body) -> tuple[int, dict]:
+    """POST /completions with raw bytes; (status, JSON body)."""
+    request = urllib.request.Request(f"{base}/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 # -- fuzzing -------------------------------------------------------------------------------
