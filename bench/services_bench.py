@@ -241,8 +241,9 @@ def print_tables(console: Console, rows: list[dict]) -> None:
 @click.option("--sections", default="bytes,b1,overlap", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
-@click.option("--overlap-k", default=2, show_default=True,
-              help="Speculative tokens per step in the overlap section.")
+@click.option("--overlap-k", default=1, show_default=True,
+              help="Speculative tokens per step in the overlap section (1: proposer and scorer "
+                   "do one forward pass each per group; docs/benchmarks.md has k=2 too).")
 @click.option("--out", default="bench/results/services.json", show_default=True)
 def main(pair: str, sections: str, repeats: int, max_tokens: int, overlap_k: int,
          out: str) -> None:
