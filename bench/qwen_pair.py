@@ -72,11 +72,11 @@ def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str
         for scoring, kk in configs:
             if scoring == "hf-generate":
                 start = time.perf_counter()
-                out = hf_generate(target, prompts, max_tokens)
+                generated = hf_generate(target, prompts, max_tokens)
                 seconds = time.perf_counter() - start
-                runs[(scoring, kk)].append({"tokens_per_s": sum(map(len, out)) / seconds,
+                runs[(scoring, kk)].append({"tokens_per_s": sum(map(len, generated)) / seconds,
                                             "acceptance": None, "steps": max_tokens})
-                outputs[(scoring, kk)] = out
+                outputs[(scoring, kk)] = generated
                 continue
             eng = engine(target, draft, "multi-query" if kk == 0 else scoring, kk)
             start = time.perf_counter()
