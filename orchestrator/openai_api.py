@@ -322,16 +322,7 @@ class _OpenAIApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def events() -> AsyncIterator[dict]:
-                total = Usage(prompt_tokens=len(gen.prompt_token_ids))
-                async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
-                    async for d in deltas:
-                        yield {**base, "choices": [choice(d)], "usage": None}
-                        if d.usage:
-                            total = add_usage(total, d.usage)
-                if include_usage:
-                    yield {**base, "choices": [], "usage": openai_usage(total)}
-            return _sse(events(), slot)
+            return _sse(self._chunks(gen, base, choice, include_usage), slot)
 
         choices: dict[int, dict] = {}
         total = Usage(prompt_tokens=len(gen.prompt_token_ids))
@@ -351,6 +342,19 @@ class _OpenAIApi:
                 "usage": openai_usage(total)}
 
     # -- chat ----------------------------------------------------------------------------------
+
+    async def _chunks(self, gen: Generation, head: dict, choice: Callable[[Delta], dict],
+                      include_usage: bool) -> AsyncIterator[dict]:
+        """A stream's chunks: `head` with one choice per delta, then (include_usage) one
+        chunk with no choices and the usage summed over the samples."""
+        total = Usage(prompt_tokens=len(gen.prompt_token_ids))
+        async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
+            async for d in deltas:
+                yield {**head, "choices": [choice(d)], "usage": None}
+                if d.usage:
+                    total = add_usage(total, d.usage)
+        if include_usage:
+            yield {**head, "choices": [], "usage": openai_usage(total)}
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tok = self.frontend.tokenizer
@@ -397,6 +401,11 @@ class _OpenAIApi:
                 return None
             return {"content": [token_text.chat_entry(e) for e in d.logprobs]}
 
+        def chat_choice(d: Delta) -> dict:
+            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            return {"index": d.index, "delta": delta, "logprobs": chat_logprobs(d),
+                    "finish_reason": finish_reason.to_openai(d.finish_reason)}
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -407,18 +416,11 @@ class _OpenAIApi:
                                                                        "content": ""},
                                                  "logprobs": None, "finish_reason": None}],
                            "usage": None}
-                total = Usage(prompt_tokens=len(gen.prompt_token_ids))
-                async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
-                    async for d in deltas:
-                        delta = {"content": d.text} if d.text or not d.finish_reason else {}
-                        yield {**chunk, "choices": [{"index": d.index, "delta": delta,
-                                                     "logprobs": chat_logprobs(d),
-                                                     "finish_reason": finish_reason.to_openai(d.finish_reason)}],
-                               "usage": None}
-                        if d.usage:
-                            total = add_usage(total, d.usage)
-                if include_usage:
-                    yield {**chunk, "choices": [], "usage": openai_usage(total)}
+                # closed with this generator, so a client that leaves ends the generation
+                async with contextlib.aclosing(
+                        self._chunks(gen, chunk, chat_choice, include_usage)) as chunks:
+                    async for c in chunks:
+                        yield c
             return _sse(events(), slot)
 
         choices: dict[int, dict] = {}
