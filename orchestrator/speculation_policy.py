@@ -22,10 +22,10 @@ The services' cost tables are measured once at start-up, often while the other s
 loading on the same cores, and can be several times off. The policy therefore corrects them
 with what its own steps take (RPC included): an additive term learned on plain-decoding
 steps, and a factor per verify width on what verifying costs beyond a decode (and one on
-the draft's forwards) learned on speculative ones. A correction can only be learned for a width that runs, so while plain
-decoding is chosen the policy now and then runs the most promising speculative plan instead
-(after 8 plain steps, then 16, 32, ... up to 256): a table that wrongly says "never
-speculate" gets mended, at a bounded cost when it was right.
+the draft's forwards) learned on speculative ones. A correction can only be learned for a
+width that runs, so while plain decoding is chosen the policy now and then runs the most
+promising speculative plan instead (after 8 plain steps, then 16, 32, ... up to 256): a
+table that wrongly says "never speculate" gets mended, at a bounded cost when it was right.
 """
 
 from __future__ import annotations
@@ -97,7 +97,10 @@ class Learned:
 
 
 def _factor(measured: float, predicted: float) -> float:
-    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1]) if predicted > 0 else 1.0
+    """measured / predicted, within FACTOR_RANGE (1 when nothing was predicted)."""
+    if predicted <= 0:
+        return 1.0
+    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
 
 
 @dataclass
