@@ -14,20 +14,42 @@ from specdecode.health import wait_serving
 from specdecode.tls import TlsFiles, open_channel
 
 
+_handed_out: set[int] = set()  # ports free_port returned: several may wait unbound at once
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, never one this process was given before (the kernel may
+    hand the same free port twice while the first taker has not bound it yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = 20) -> str:
+    """The last lines of a server's log file ('' if none), for an error message."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except (OSError, TypeError):
+        return ""
 
 
 def wait_process_serving(address: str, timeout_s: float,
                          process: subprocess.Popen | None = None,
-                         tls: TlsFiles | None = None) -> None:
+                         tls: TlsFiles | None = None,
+                         log: str | os.PathLike | None = None) -> None:
     """Wait until the server at `address` reports SERVING; RuntimeError if its process dies
-    or time runs out. With `tls`, over TLS (presenting tls.cert to a server that asks)."""
+    (with the end of its `log`, if given) or time runs out. With `tls`, over TLS (presenting
+    tls.cert to a server that asks)."""
     def check() -> None:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server for {address} exited with code {process.returncode}")
+            tail = log_tail(log)
+            raise RuntimeError(f"the server for {address} exited with code {process.returncode}"
+                               + (f"; its log ends:\n{tail}" if tail else ""))
     with open_channel(address, tls) as channel:
         if not wait_serving(channel, timeout_s, check):
             raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
@@ -122,8 +144,8 @@ class LocalStack:
                                    "--model", c.draft_model, "--draft-vocab-size",
                                    str(c.draft_vocab_size), *model_args,
                                    *self._tls_args("proposer"), *c.service_args)
-            wait_process_serving(s_addr, timeout_s, scorer, probe)
-            wait_process_serving(p_addr, timeout_s, proposer, probe)
+            wait_process_serving(s_addr, timeout_s, scorer, probe, c.log_file)
+            wait_process_serving(p_addr, timeout_s, proposer, probe, c.log_file)
             if not c.port:
                 self.address = self.service_addresses["orchestrator"] = \
                     f"127.0.0.1:{free_port()}"
@@ -135,7 +157,7 @@ class LocalStack:
                                "--speculation", c.speculation,
                                "--http-port", str(c.http_port),
                                *self._tls_args("orchestrator"), *auth, *c.orchestrator_args)
-            wait_process_serving(self.address, timeout_s, orch, probe)
+            wait_process_serving(self.address, timeout_s, orch, probe, c.log_file)
         except BaseException:
             self.stop()
             raise
@@ -148,7 +170,7 @@ class LocalStack:
         process.send_signal(signal.SIGTERM)
         process.wait(self.config.grace_seconds + 15)
         wait_process_serving(self.service_addresses[role], timeout_s,
-                             self._spawn(role, *self._args[role]))
+                             self._spawn(role, *self._args[role]), log=self.config.log_file)
 
     def stop(self, timeout_s: float | None = None) -> dict[str, int | None]:
         """SIGTERM the orchestrator first (it drains), then the services; exit codes."""

@@ -26,6 +26,8 @@ class Cluster:
         self.ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}
         self.processes: dict[str, subprocess.Popen] = {}
+        self.spawned: dict[str, tuple[str, ...]] = {}  # name -> role and arguments
+        self.started: set[str] = set()  # names that reported SERVING once (their port is theirs)
         self.scorers = [f"scorer{i}" for i in range(scorers)]
         self.proposers = ["proposer", *(f"proposer{i}" for i in range(1, proposers))]
 
@@ -33,6 +35,7 @@ class Cluster:
         return f"127.0.0.1:{self.ports[name]}"
 
     def _spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        self.spawned[name] = (role, *args)
         self.ports.setdefault(name, free_port())
         self.metrics_ports.setdefault(name, free_port())
         # Several processes share the cores: OpenMP threads sleep rather than spin.
@@ -40,35 +43,54 @@ class Cluster:
         cmd = [sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
                "--port", str(self.ports[name]), "--metrics-port", str(self.metrics_ports[name]),
                "--log-format", "text", *args]
-        with open(self.log_dir / f"{name}.log", "a") as log:
+        with open(self.log_path(name), "a") as log:
             self.processes[name] = subprocess.Popen(cmd, env=env, stdout=log,
                                                     stderr=subprocess.STDOUT)
         return self.processes[name]
 
     def start_service(self, name: str, wait: bool = True) -> None:
         if name.startswith("scorer"):
-            process = self._spawn(name, "scorer", "--model", self.dirs["target"],
-                                  "--device", "cpu", "--scoring", "batch-expansion")
+            self._spawn(name, "scorer", "--model", self.dirs["target"], "--device", "cpu",
+                        "--scoring", "batch-expansion")
         else:
-            process = self._spawn(name, "proposer", "--model", self.draft, "--device", "cpu")
+            self._spawn(name, "proposer", "--model", self.draft, "--device", "cpu")
         if wait:
-            wait_process_serving(self.address(name), 120, process)
+            self.wait_serving(name)
 
     def start_orchestrator(self, name: str = "orchestrator", *args: str) -> None:
         # Fixed k: the random tiny models accept next to nothing, so adaptive k would stop
         # speculating, and these tests watch speculation go and come back.
-        process = self._spawn(
+        self._spawn(
             name, "orchestrator", "--proposer", ",".join(self.address(p) for p in self.proposers),
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
             "--num-speculative-tokens", str(self.k), "--speculation", "fixed",
             "--health-interval", "0.5", "--http-port", "0", *self.orchestrator_args, *args)
-        wait_process_serving(self.address(name), 120, process)
+        self.wait_serving(name)
+
+    def wait_serving(self, name: str) -> None:
+        """Until `name` reports SERVING (RuntimeError with its log's end if it exits). A first
+        start that finds a port taken starts again on new ports: between free_port() and the
+        server's bind, seconds later, any process's connection may have taken the port."""
+        process = self.processes[name]
+        try:
+            wait_process_serving(self.address(name), 120, process, log=self.log_path(name))
+        except RuntimeError as exc:
+            if name in self.started or "Address already in use" not in str(exc):
+                raise
+            del self.ports[name], self.metrics_ports[name]
+            self._spawn(name, *self.spawned[name])
+            wait_process_serving(self.address(name), 120, self.processes[name],
+                                 log=self.log_path(name))
+        self.started.add(name)
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     def start(self) -> Cluster:
         for name in [*self.scorers, *self.proposers]:
             self.start_service(name, wait=False)
         for name in [*self.scorers, *self.proposers]:
-            wait_process_serving(self.address(name), 120, self.processes[name])
+            self.wait_serving(name)
         self.start_orchestrator()
         return self
 

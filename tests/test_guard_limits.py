@@ -203,26 +203,31 @@ def test_full_queue_answers_with_a_retry_hint_on_both_apis(stack, target_model):
     """--max-running-requests 2 --max-queued-requests 1, one admission for both APIs: with
     two streams running and one queued, a fourth request is refused at once, over gRPC with
     RESOURCE_EXHAUSTED and a retry-after-ms trailer, over HTTP with 429, Retry-After and
-    retry-after-ms. The scorer is paused (SIGSTOP) meanwhile, so the held requests cannot
-    finish first; afterwards they finish exact."""
-    clients = [SpecDecodeClient(stack.address) for _ in range(4)]
+    retry-after-ms. The scorer is paused (SIGSTOP) before the three are sent, so none can
+    finish before the fourth arrives however fast the machine; afterwards they finish exact.
+    Every call has a deadline: a request admitted by mistake fails the test, it cannot hang."""
+    clients = [SpecDecodeClient(stack.address, timeout_s=60) for _ in range(4)]
     scorer = stack.processes["scorer"]
     http = f"http://127.0.0.1:{stack.config.http_port}/v1"
+    inside = lambda: (metric(stack, "orchestrator", "specdecode_running_sequences")  # noqa: E731
+                      + metric(stack, "orchestrator", "specdecode_waiting_requests"))
     try:
-        streams = [c.stream(STREAM_PROMPT, max_tokens=100) for c in clients[:2]]
-        firsts = [list(next(s).token_ids) for s in streams]  # both running
-        os.kill(scorer.pid, signal.SIGSTOP)  # ~ms after their first tokens: 99 to go
+        os.kill(scorer.pid, signal.SIGSTOP)
         try:
-            queued = clients[2].stream(STREAM_PROMPT, max_tokens=100)
-            time.sleep(0.3)  # it is admitted and waits for a running slot
+            held = [c.stream(STREAM_PROMPT, max_tokens=100) for c in clients[:3]]
+            deadline = time.monotonic() + 30
+            while inside() < 3:  # all three admitted: two running, one waiting for a slot
+                assert time.monotonic() < deadline, f"{inside()} of 3 requests admitted in 30 s"
+                time.sleep(0.05)
             with pytest.raises(grpc.RpcError) as err:
                 next(clients[3].stream([1, 2, 3], max_tokens=2))
-            with openai.OpenAI(base_url=http, api_key="none", max_retries=0) as oa, \
+            with openai.OpenAI(base_url=http, api_key="none", max_retries=0,
+                               timeout=30) as oa, \
                     pytest.raises(openai.RateLimitError) as refused:
                 oa.completions.create(model="", prompt=[1, 2, 3], max_tokens=2)
         finally:
             os.kill(scorer.pid, signal.SIGCONT)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
         assert "--max-queued-requests" in err.value.details()
         assert int(dict(err.value.trailing_metadata())["retry-after-ms"]) >= 1000
         response = refused.value.response
@@ -230,9 +235,8 @@ def test_full_queue_answers_with_a_retry_hint_on_both_apis(stack, target_model):
         assert int(response.headers["retry-after-ms"]) >= 1000
         assert "--max-queued-requests" in response.json()["error"]["message"]
         want = reference_greedy(target_model, STREAM_PROMPT, 100)
-        for first, s in zip(firsts, [*streams, queued]):
-            assert first + [t for r in s for t in r.token_ids] == want
-        assert [t for r in queued for t in r.token_ids] == want
+        for s in held:
+            assert [t for r in s for t in r.token_ids] == want
     finally:
         for c in clients:
             c.close()
