@@ -9,10 +9,13 @@ constant k, best reported), then the stack (three processes on loopback) at its 
 (adaptive k, auto scoring), at k=0 (requests with num_speculative_tokens=0: plain decoding
 through the same stack), at fixed k for both scorers, with the pruned draft head, and with the
 n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "4 streams" runs the
-four classes concurrently. Columns: tokens/s, ratio to HF target-only (same prompts),
-acceptance, mean chosen k per sequence-step (orchestrator metric specdecode_chosen_k), and
-tokens equal to HF target-only. `--quick` uses one prompt per class and short generations so
-that the whole matrix fits in minutes on 2 cores. JSON: bench/results/adaptive_<dtype>_<isa>.json
+four classes concurrently. Columns: tokens/s (batch 1: the median over prompts and repeats),
+ratio to HF target-only (same prompts), acceptance, mean chosen k per sequence-step
+(orchestrator metric specdecode_chosen_k), and tokens equal to HF target-only (without the
+`ref` part: to the stack's own k=0 output). `--quick` uses one prompt per class and short
+generations so that the whole matrix fits in minutes on 2 cores. `--repeats N` runs each
+prompt N times per path; a path and its own k=0 alternate (A B, B A, ...) so that drift on a
+shared machine falls on both. JSON: bench/results/adaptive_<pair>_<dtype>_<isa>.json
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import re
 import sys
 import tempfile
@@ -57,11 +61,17 @@ PROMPTS = {
               "Autumn arrived early that year in the small mountain village, and"],
     "qa": [chat("Why is the sky blue? Answer in two sentences."),
            chat("What is the difference between a list and a tuple in Python?")],
-    "copy": [chat("Repeat this text exactly: The quick brown fox jumps over the lazy dog. "
-                  "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras "
-                  "jump."),
+    # Texts longer than the generations, so that the whole answer is a copy.
+    "copy": [chat("Repeat this text exactly: The committee met on Tuesday to review the budget "
+                  "for the coming year. After a long discussion, the members agreed to increase "
+                  "funding for the public library, to repair the roads near the school, and to "
+                  "hire two more nurses for the clinic. The chair thanked everyone for their "
+                  "patience and closed the meeting at nine o'clock in the evening. The next "
+                  "meeting will be held on the first Monday of March in the town hall."),
              chat("Copy this code without changes:\nfor i in range(10):\n    total += i * i\n"
-                  "    print(i, total)\n")],
+                  "    if total > 100:\n        print('large', i, total)\n    else:\n"
+                  "        print('small', i, total)\nresult = [x * 2 for x in values if x > 0]\n"
+                  "print(sum(result), len(result), max(result))\n")],
 }
 
 
@@ -120,27 +130,48 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
     return outs, time.perf_counter() - start, chosen_k(before, scrape(port))
 
 
+def paired(stack: LocalStack, prompts: list[list[int]], max_tokens: int, repeats: int,
+           a: int | None, b: int | None) -> tuple[list[list[Outcome]], list[list[Outcome]]]:
+    """Each prompt `repeats` times at k=a and at k=b, alternating which goes first (A B, B A,
+    ...), prompt by prompt: ([repeat][prompt] outcomes at a, the same at b)."""
+    outs_a = [[] for _ in range(repeats)]
+    outs_b = [[] for _ in range(repeats)]
+    for p in prompts:
+        for r in range(repeats):
+            order = ((a, outs_a), (b, outs_b)) if r % 2 == 0 else ((b, outs_b), (a, outs_a))
+            for k, outs in order:
+                outs[r] += stack_generate(stack, [p], max_tokens, k, 1)[0]
+    return outs_a, outs_b
+
+
 @click.command()
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
-@click.option("--quick", is_flag=True, help="One prompt per class, at most 16 tokens each, "
-              "k in {2,4,8} for multi-query and {4} for batch expansion, HF constant k {4}.")
-@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--quick", is_flag=True, help="One prompt per class, 16 tokens each, k in "
+              "{2,4,8} for multi-query and {4} for batch expansion, HF constant k {4} (unless "
+              "given).")
+@click.option("--max-tokens", default=None, type=int, help="Tokens per prompt [32; --quick: 16].")
+@click.option("--repeats", default=1, show_default=True,
+              help="Runs per prompt of the stack at defaults and at its own k=0 (alternating).")
+@click.option("--classes", default=",".join(PROMPTS), show_default=True)
 @click.option("--fixed-k", default="2,4,8", show_default=True)
-@click.option("--be-k", default="2,4,8", show_default=True, help="Fixed k for batch expansion.")
-@click.option("--hf-k", default="2,4,8", show_default=True, help="HF assisted constant k.")
+@click.option("--be-k", default=None, help="Fixed k for batch expansion [2,4,8; --quick: 4].")
+@click.option("--hf-k", default=None, help="HF assisted constant k [2,4,8; --quick: 4].")
 @click.option("--draft-vocab", default=32768, show_default=True)
 @click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
               help="tiny: random test models, to check this script in seconds.")
-@click.option("--parts", default="hf,defaults,streams,pruned,fixed,ngram", show_default=True,
-              help="hf: HF assisted and prompt lookup (HF target-only always runs); defaults: "
-                   "the stack at its defaults and at k=0; streams: 4 concurrent streams; "
-                   "pruned: defaults with the pruned draft head; fixed: fixed k, both "
-                   "scorers; ngram: the n-gram proposer at defaults and at k=0.")
-def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pair) -> None:
+@click.option("--parts", default="ref,hf,defaults,streams,pruned,fixed,ngram", show_default=True,
+              help="ref: HF target-only (the reference for tokens/s and equality); hf: HF "
+                   "assisted and prompt lookup; defaults: the stack at its defaults and at "
+                   "k=0; streams: 4 concurrent streams; pruned: defaults with the pruned draft "
+                   "head; fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
+                   "and at k=0.")
+def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab, parts,
+         pair) -> None:
     parts = set(parts.split(","))
     per_class = 1 if quick else 2
-    if quick:
-        max_tokens, be_k, hf_k = min(max_tokens, 16), "4", "4"
+    if max_tokens is None:
+        max_tokens = 16 if quick else 32
+    be_k, hf_k = (x or ("4" if quick else "2,4,8") for x in (be_k, hf_k))
     fixed, be_ks, hf_ks = ([int(x) for x in s.split(",") if x] for s in (fixed_k, be_k, hf_k))
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     console = Console(width=170)
@@ -154,11 +185,11 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pai
         draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
         target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
         encode = lambda text: load_tokenizer(target_dir)(text).input_ids  # noqa: E731
-    classes = [(c, encode(p)) for c, ps in PROMPTS.items() for p in ps[:per_class]]
+    classes = [(c, encode(p)) for c in classes.split(",") for p in PROMPTS[c][:per_class]]
     prompts = [ids for _, ids in classes]
     for dtype in dtypes.split(","):
         torch_dtype = getattr(torch, dtype)
-        rows = []  # (path, class, outcome list, chosen k)
+        rows = []  # one per (path, streams, class, run)
         t_start = time.perf_counter()
 
         log = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.jsonl")
@@ -166,43 +197,50 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pai
 
         def add(path, outs, chosen=float("nan"), wall=None, streams=1):
             # Each run is also printed and appended at once: a run cut short keeps its rows.
-            for i, ((cls, _), o) in enumerate(zip(classes, outs)):
-                ref = reference[i].token_ids if reference else o.token_ids
-                line = {"path": path, "streams": streams, "class": cls,
-                        "tokens_per_s": o.tokens / o.seconds, "draft": o.draft,
-                        "accepted": o.accepted, "chosen_k": o.chosen_k if streams == 1 else chosen,
-                        "equal": sum(a == b for a, b in zip(o.token_ids, ref))}
+            for (cls, _), o in zip(classes, outs):
+                row = {"path": path, "streams": streams, "class": cls, "tokens": o.tokens,
+                       "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
+                       "chosen_k": o.chosen_k if streams == 1 else chosen,
+                       "token_ids": o.token_ids}
+                line = {k: v for k, v in row.items() if k != "token_ids"}
+                line["tokens_per_s"] = o.tokens / o.seconds
                 console.print(json.dumps(line), highlight=False)
                 with log.open("a") as f:
                     f.write(json.dumps(line) + "\n")
-                rows.append({"path": path, "class": cls, "streams": streams, "tokens": o.tokens,
-                             "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
-                             "token_ids": o.token_ids,
-                             "chosen_k": o.chosen_k if streams == 1 else chosen})
+                rows.append(row)
             if wall is not None:
                 rows.append({"path": path, "class": "all", "streams": streams, "seconds": wall,
                              "tokens": sum(o.tokens for o in outs), "draft": sum(o.draft for o in outs),
                              "accepted": sum(o.accepted for o in outs), "chosen_k": chosen,
                              "token_ids": None})
 
-        target = load_model(target_dir, CPU, torch_dtype)
-        reference = [hf_generate(target, ids, max_tokens) for ids in prompts]
-        add("HF target-only", reference)
-        if "hf" in parts:
-            draft = load_model(draft_dir, CPU, torch_dtype)
-            add("HF assisted, defaults", [hf_generate(target, ids, max_tokens, assistant_model=draft)
-                                          for ids in prompts])
-            for k in hf_ks:
-                draft.generation_config.num_assistant_tokens = k
-                draft.generation_config.num_assistant_tokens_schedule = "constant"
-                add(f"HF assisted, k={k} constant", [hf_generate(target, ids, max_tokens,
-                                                                 assistant_model=draft)
-                                                     for ids in prompts])
-            add("HF prompt lookup", [hf_generate(target, ids, max_tokens, prompt_lookup_num_tokens=4)
-                                     for ids in prompts])
-            del draft
-        del target
-        gc.collect()
+        def add_paired(label_a, label_b, outs_a, outs_b):
+            for outs in outs_a:
+                add(label_a, outs)
+            for outs in outs_b:
+                add(label_b, outs)
+
+        if parts & {"ref", "hf"}:
+            target = load_model(target_dir, CPU, torch_dtype)
+            if "ref" in parts:
+                add("HF target-only", [hf_generate(target, ids, max_tokens) for ids in prompts])
+            if "hf" in parts:
+                draft = load_model(draft_dir, CPU, torch_dtype)
+                add("HF assisted, defaults", [hf_generate(target, ids, max_tokens,
+                                                          assistant_model=draft)
+                                              for ids in prompts])
+                for k in hf_ks:
+                    draft.generation_config.num_assistant_tokens = k
+                    draft.generation_config.num_assistant_tokens_schedule = "constant"
+                    add(f"HF assisted, k={k} constant", [hf_generate(target, ids, max_tokens,
+                                                                     assistant_model=draft)
+                                                         for ids in prompts])
+                add("HF prompt lookup", [hf_generate(target, ids, max_tokens,
+                                                     prompt_lookup_num_tokens=4)
+                                         for ids in prompts])
+                del draft
+            del target
+            gc.collect()
 
         def stack(**kw) -> LocalStack:
             return LocalStack(StackConfig(target_model=str(target_dir), tokenizer="none",
@@ -210,10 +248,8 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pai
         draft_path = str(draft_dir)
         if "defaults" in parts:
             with stack(draft_model=draft_path) as s:  # defaults: adaptive, auto, k <= 4
-                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
-                add("stack defaults", outs, chosen)
-                outs, _, chosen = stack_generate(s, prompts, max_tokens, 0, 1)
-                add("stack k=0", outs, chosen)
+                add_paired("stack defaults", "stack k=0",
+                           *paired(s, prompts, max_tokens, repeats, None, 0))
                 if "streams" in parts:
                     for label, k in (("stack defaults", None), ("stack k=0", 0)):
                         outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
@@ -235,60 +271,68 @@ def main(dtypes, quick, max_tokens, fixed_k, be_k, hf_k, draft_vocab, parts, pai
                     add("stack fixed k=4, multi-query", outs, chosen, wall, streams=len(prompts))
         if "ngram" in parts:
             with stack(draft_model="ngram") as s:
-                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
-                add("stack n-gram defaults", outs, chosen)
-                outs, _, chosen = stack_generate(s, prompts, max_tokens, 0, 1)
-                add("stack n-gram k=0", outs, chosen)
-        report(console, rows, reference, classes, dtype, isa, max_tokens,
-               time.perf_counter() - t_start, pair)
+                add_paired("stack n-gram defaults", "stack n-gram k=0",
+                           *paired(s, prompts, max_tokens, repeats, None, 0))
+        report(console, rows, classes, dtype, isa, max_tokens, time.perf_counter() - t_start,
+               pair)
 
 
-def report(console, rows, reference, classes, dtype, isa, max_tokens, seconds, pair) -> None:
-    ref_by_class: dict[str, list] = {}
-    for (cls, _), o in zip(classes, reference):
-        ref_by_class.setdefault(cls, []).append(o)
+OWN_ZERO = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}
+
+
+def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> None:
+    """One line per (path, streams, class): batch 1 the median tokens/s of its runs, 4
+    streams all tokens over the wall time; equality to HF target-only's first run of the
+    same prompt (without it, to the stack's own k=0 path)."""
     name = "Qwen2.5-Coder 0.5B -> 1.5B" if pair == "qwen" else "tiny random models"
     table = Table(title=f"{name}, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
                         f"{max_tokens} tokens/prompt, greedy; {seconds / 60:.1f} min")
-    for col in ("path", "streams", "class", "tokens/s", "vs HF target-only", "vs own k=0",
-                "acceptance", "chosen k", "equal to target-only"):
+    for col in ("path", "streams", "class", "runs", "tokens/s", "vs HF target-only",
+                "vs own k=0", "acceptance", "chosen k", "equal to reference"):
         table.add_column(col)
     groups: dict[tuple, list] = {}
     for r in rows:
         groups.setdefault((r["path"], r["streams"], r["class"]), []).append(r)
-    tps = {key: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+    tps = {key: (statistics.median(r["tokens"] / r["seconds"] for r in rs) if key[1] == 1
+                 else sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs))
            for key, rs in groups.items()}
+    has_ref = any(key[0] == "HF target-only" for key in groups)
     out = []
     for (path, streams, cls), rs in groups.items():
         if streams > 1 and cls != "all":
             continue
-        base = tps.get(("HF target-only", 1, cls))
-        if cls == "all":  # 4 streams: HF target-only's tokens/s over all prompts, one at a time
+        if cls == "all":  # 4 streams: HF target-only's tokens over its seconds, one at a time
             ref = [r for r in rows if r["path"] == "HF target-only"]
-            base = sum(r["tokens"] for r in ref) / sum(r["seconds"] for r in ref)
-        own_zero = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}.get(
-            path.split(", draft head")[0])
+            base = sum(r["tokens"] for r in ref) / sum(r["seconds"] for r in ref) if ref else None
+        else:
+            base = tps.get(("HF target-only", 1, cls))
+        own_zero = OWN_ZERO.get(path.split(", draft head")[0])
         zero = tps.get((own_zero, streams, cls)) if own_zero else None
         draft = sum(r["draft"] for r in rs)
         acc = sum(r["accepted"] for r in rs) / draft if draft else None
-        if cls == "all":
-            equal, total = "-", None
-        else:
-            ref_ids = [o.token_ids for o in ref_by_class[cls]]
-            same = sum(a == b for r, ref in zip(rs, ref_ids) for a, b in zip(r["token_ids"], ref))
-            total = sum(len(x) for x in ref_ids)
-            equal = f"{same}/{total}"
-        row = {"path": path, "streams": streams, "class": cls, "tokens_per_s": tps[(path, streams, cls)],
-               "vs_hf_target_only": tps[(path, streams, cls)] / base, "acceptance": acc,
-               "vs_own_k0": tps[(path, streams, cls)] / zero if zero else None,
-               "chosen_k": rs[0]["chosen_k"], "equal": equal}
+        chosen = [r["chosen_k"] for r in rs if r["chosen_k"] == r["chosen_k"]]
+        chosen_k = statistics.mean(chosen) if chosen else None
+        equal = "-"
+        ref_path = "HF target-only" if has_ref else own_zero or path
+        ref_rows = groups.get((ref_path, 1, cls), [])
+        if cls != "all" and ref_rows:
+            # rows run prompt by prompt within a repeat: row i is prompt i % n
+            n = sum(1 for c, _ in classes if c == cls)
+            pairs = [(r["token_ids"], ref_rows[i % n]["token_ids"]) for i, r in enumerate(rs)]
+            same = sum(a == b for ids, ref in pairs for a, b in zip(ids, ref))
+            total = sum(len(ref) for _, ref in pairs)
+            equal = f"{same}/{total}" + ("" if has_ref else " (own k=0)")
+        row = {"path": path, "streams": streams, "class": cls, "runs": len(rs),
+               "tokens_per_s": tps[(path, streams, cls)],
+               "vs_hf_target_only": tps[(path, streams, cls)] / base if base else None,
+               "acceptance": acc, "vs_own_k0": tps[(path, streams, cls)] / zero if zero else None,
+               "chosen_k": chosen_k, "equal": equal}
         out.append(row)
-        table.add_row(path, str(streams), cls, f"{row['tokens_per_s']:.2f}",
-                      f"{row['vs_hf_target_only']:.2f}x",
+        table.add_row(path, str(streams), cls, str(len(rs)), f"{row['tokens_per_s']:.2f}",
+                      "-" if base is None else f"{row['vs_hf_target_only']:.2f}x",
                       "-" if zero is None else f"{row['vs_own_k0']:.2f}x",
                       "-" if acc is None else f"{acc:.2f}",
-                      "-" if rs[0]["chosen_k"] != rs[0]["chosen_k"] else f"{rs[0]['chosen_k']:.2f}",
-                      equal)
+                      "-" if chosen_k is None else f"{chosen_k:.2f}", equal)
     console.print(table)
     path = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.json")
     path.parent.mkdir(parents=True, exist_ok=True)

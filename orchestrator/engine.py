@@ -79,6 +79,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     # Prompt tokens the services already hold from earlier chunks (chunked prefill).
     prefilled: int = 0
+    # Tokens whose KV state a draft model holds, as far as the proposer calls tell: what
+    # it was sent, plus its own proposals that were accepted (the policy's catch-up).
+    drafted: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -373,8 +376,12 @@ class SpecDecodeEngine:
     def _plan_request(self, step_plan: list[tuple[Sequence, int | None]],
                       ) -> tuple[Plan, ExecuteModelRequest]:
         """Each sequence's k (the policy's) and the step's request."""
-        plan = self.policy.plan([Candidate(s.seq_id, 0 if c is not None else self._cap(s))
-                                 for s, c in step_plan])
+        plan = self.policy.plan([
+            Candidate(s.seq_id, 0 if c is not None else self._cap(s),
+                      behind=max(len(s.token_ids) - s.drafted, 1),
+                      remaining=min(s.request.sampling_params.max_tokens - len(s.output_token_ids),
+                                    self.max_model_len - len(s.token_ids)))
+            for s, c in step_plan])
         k = max(plan.ks, default=0)  # chunks ride along with a proposer call (see _group)
         return plan, ExecuteModelRequest(
             [self._group(s, n, c) for (s, c), n in zip(step_plan, plan.ks)],
@@ -444,11 +451,16 @@ class SpecDecodeEngine:
                           propose_s=t_proposed - start, score_s=t_scored - t_proposed,
                           verify_s=t_verified - t_scored, accepted_by_position=[0] * k)
         outputs, finished = [], []
+        drafted = k > 0 and not getattr(self.proposer, "last_fallback", 0)  # proposer ran
         for i, (seq, tokens) in enumerate(zip(seqs, emitted)):
             if step_plan[i][1] is not None:  # a prompt chunk: its token is discarded
                 seq.prefilled = step_plan[i][1]
+                if drafted or warming is not None:
+                    seq.drafted = seq.prefilled
                 continue
             n = int(proposals.proposal_lens[i])
+            if drafted and plan.ks[i]:  # it read the sequence and its first n-1 proposals
+                seq.drafted = len(seq.token_ids) + min(len(tokens) - 1, max(n - 1, 0))
             self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
             if n:
                 prefix = len(tokens) - 1  # draft tokens emitted
@@ -486,7 +498,7 @@ class SpecDecodeEngine:
         stats.bytes_received = sum(s.bytes_received for s in stats.services.values())
         # A step whose proposer failed or timed out (orchestrator.fanout) says nothing of the
         # proposer's cost: its time is not learned.
-        if not (k and getattr(self.proposer, "last_fallback", 0)):
+        if drafted or not k:
             self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
                                      stats.score_s, stats.total_s)
         self.last_step = stats

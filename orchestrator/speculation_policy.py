@@ -18,14 +18,25 @@ follows a sequence moving from prose into code), blended with the running accept
 sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
 tried again once the prior makes speculation look worth it.
 
+A draft model holds KV state only for what it was sent: after plain steps (and after the
+prompt, which it never sees) its first forward must read every token it missed (catch-up),
+a forward of that many query tokens. The policy counts it, spread over the speculative
+steps the request has left (the draft then stays current), so a long plain stretch does
+not lock speculation out where it pays, while a short one is not worth the catch-up.
+
 The services' cost tables are measured once at start-up, often while the other service is
 loading on the same cores, and can be several times off. The policy therefore corrects them
 with what its own steps take (RPC included): an additive term learned on plain-decoding
 steps, and a factor per verify width on what verifying costs beyond a decode (and one on
 the draft's forwards) learned on speculative ones. A correction can only be learned for a
 width that runs, so while plain decoding is chosen the policy now and then runs the most
-promising speculative plan instead (after 8 plain steps, then 16, 32, ... up to 256): a
-table that wrongly says "never speculate" gets mended, at a bounded cost when it was right.
+promising speculative plan instead (exploration): a sequence is explored after 8 of its
+plain steps, then 16, 32, ... up to 256, and only while the exploration's predicted loss
+(its whole catch-up, and once a verify width has been measured its predicted time beyond
+plain decoding of the same tokens) fits in 3% of the time spent decoding plainly since the
+last exploration. A table that wrongly says "never speculate" is mended by the first
+exploration (before any verify was measured, only the catch-up is charged); once it is
+right, exploring costs at most that share.
 """
 
 from __future__ import annotations
@@ -40,8 +51,9 @@ GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
 OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
-EXPLORE_FIRST = 8  # plain steps before the first exploratory speculative step ...
+EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step ...
 EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
+EXPLORE_SHARE = 0.03  # an exploration's predicted loss: at most this share of the plain time
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 
 
@@ -62,6 +74,8 @@ class Acceptance:
     tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
     proposed: float = 0.0  # steps where the proposer returned tokens ...
     asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
+    plain_steps: int = 0  # steps without speculation since it last speculated ...
+    explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
 
     def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         return (self.accepted + weight * prior) / (self.tried + weight)
@@ -81,6 +95,7 @@ class Acceptance:
     def idle(self, decay: float = IDLE_DECAY) -> None:
         self.accepted *= decay
         self.tried *= decay
+        self.plain_steps += 1
 
 
 @dataclass
@@ -109,6 +124,8 @@ class Candidate:
 
     seq_id: int
     cap: int  # the most it may speculate (request cap, server max, room left; 0 = none)
+    behind: int = 1  # tokens a draft model must read before proposing (1: the last one)
+    remaining: int = 1 << 30  # tokens the request may still produce
 
 
 @dataclass
@@ -116,8 +133,11 @@ class Plan:
     ks: list[int]  # [B] speculation length per sequence
     scoring: str  # the scoring method the costs predict ("" when not predicted)
     expected_tokens: float
-    seconds: float  # predicted step time
+    seconds: float  # predicted step time (catch-up spread over the steps left)
     explore: bool = False  # speculating although plain decoding was predicted faster
+    draft_s: float = 0.0  # the draft table's seconds for the step's forwards, catch-up included
+    catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
+    horizon: float = 1.0  # speculative steps the catch-up is spread over
 
 
 class SpeculationPolicy:
@@ -146,7 +166,7 @@ class SpeculationPolicy:
         self.step_s, self.rpc_s, self.ngram_s = Learned(0.0), Learned(0.0), Learned(0.0)
         self.verify_factor: dict[int, Learned] = {}
         self.draft_factor = Learned(1.0)
-        self.plain_steps, self.explore_after = 0, EXPLORE_FIRST
+        self.plain_s = 0.0  # predicted seconds of plain steps since the last exploration
 
     # -- choosing k ------------------------------------------------------------------------
 
@@ -155,21 +175,21 @@ class SpeculationPolicy:
         if not self.adaptive or not candidates:
             return Plan(caps, "", 0.0, 0.0)
         prior = self.all.alpha(0.5, 0.0)
-        est = [self.seqs.get(c.seq_id, Acceptance()) for c in candidates]
+        est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
-        plain = best = self._evaluate([0] * len(caps), alphas, rates)
+        evaluate = lambda ks: self._evaluate(ks, alphas, rates, candidates)  # noqa: E731
+        plain = best = evaluate([0] * len(caps))
         best_spec = None
         for K in range(1, max(caps, default=0) + 1):
             ks = [min(K, cap) for cap in caps]
-            plan = self._evaluate(ks, alphas, rates)
+            plan = evaluate(ks)
             # Leave out the 1, 2, 4, ... sequences least likely to gain, if that pays.
             spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i] * rates[i])
             drop = 1
             while drop < len(spec):
                 left_out = set(spec[:drop])
-                trial = self._evaluate([0 if i in left_out else k for i, k in enumerate(ks)],
-                                       alphas, rates)
+                trial = evaluate([0 if i in left_out else k for i, k in enumerate(ks)])
                 if _rate(trial) > _rate(plan):
                     plan = trial
                 drop *= 2
@@ -177,58 +197,96 @@ class SpeculationPolicy:
                 best_spec = plan
         if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
             best = best_spec
-        return self._maybe_explore(best, best_spec)
+        return self._maybe_explore(best, best_spec, plain, est)
 
-    def _maybe_explore(self, best: Plan, best_spec: Plan | None) -> Plan:
-        """Every so often run the best speculative plan although plain decoding looks faster,
-        so that its cost is measured rather than taken from the start-up table."""
-        if best_spec is None or any(best.ks):
-            self.plain_steps, self.explore_after = 0, EXPLORE_FIRST
+    def _maybe_explore(self, best: Plan, best_spec: Plan | None, plain: Plan,
+                       est: list[Acceptance]) -> Plan:
+        """Run the best speculative plan although plain decoding looks faster when one of its
+        sequences is due (its plain steps reached its wait) and the predicted loss fits the
+        budget, so that speculation's cost is measured rather than taken from the table."""
+        if any(best.ks):
+            self.plain_s = 0.0
             return best
-        self.plain_steps += 1
-        if self.plain_steps < self.explore_after:
+        self.plain_s += plain.seconds
+        if best_spec is None:
             return best
-        self.plain_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MAX)
+        due = [i for i, k in enumerate(best_spec.ks)
+               if k and est[i].plain_steps >= est[i].explore_after]
+        if not due:
+            return best
+        loss = self._explore_loss(best_spec, plain)
+        if loss > EXPLORE_SHARE * self.plain_s:
+            return best
+        for i in due:
+            est[i].explore_after = min(2 * est[i].explore_after, EXPLORE_MAX)
+        self.plain_s = 0.0
         best_spec.explore = True
         return best_spec
 
-    def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float]) -> Plan:
-        tokens = sum(1.0 + r * (expected_tokens(a, k) - 1.0) for a, r, k in zip(alphas, rates, ks))
-        scoring, seconds = self._cost(ks, rates)
-        return Plan(ks, scoring, tokens, seconds)
+    def _explore_loss(self, spec: Plan, plain: Plan) -> float:
+        """Predicted seconds an exploration costs beyond plain decoding of its tokens: the
+        whole catch-up, and, once some verify width has been measured (before, the table's
+        multi-token slope is what exploring is there to check), the rest of its time."""
+        loss = spec.catch_up_s
+        if self.verify_factor:
+            steady = spec.seconds - spec.catch_up_s / spec.horizon
+            loss += max(steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
+        return loss
 
-    def _cost(self, ks: list[int], rates: list[float]) -> tuple[str, float]:
-        """(scoring method, predicted seconds) of a step with these ks."""
+    def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float],
+                  candidates: list[Candidate]) -> Plan:
+        tokens = sum(1.0 + r * (expected_tokens(a, k) - 1.0) for a, r, k in zip(alphas, rates, ks))
+        plan = Plan(ks, "", tokens, 0.0)
+        self._cost(plan, rates, candidates)
+        return plan
+
+    def _cost(self, plan: Plan, rates: list[float], candidates: list[Candidate]) -> None:
+        """Fill in the plan's scoring method and predicted seconds."""
+        ks = plan.ks
         B, K = len(ks), max(ks)
         decode = self.scorer_costs(B, 1) + self.rpc_s.value  # a plain scoring call
         seconds = self.step_s.value + decode
-        scoring = "multi-query" if self.scoring == "auto" else self.scoring
+        plan.scoring = "multi-query" if self.scoring == "auto" else self.scoring
         if K == 0:
-            return scoring, max(seconds, 1e-6)
+            plan.seconds = max(seconds, 1e-6)
+            return
         if self.draft_model:
-            seconds += self._rpc() + self.draft_factor.value * self._drafted(ks)
+            steady, catch_up = self._drafted(ks, [c.behind for c in candidates])
+            plan.draft_s = steady + catch_up
+            plan.catch_up_s = self.draft_factor.value * catch_up
+            seconds += self._rpc() + self.draft_factor.value * steady
+            if catch_up:
+                plan.horizon = _horizon(plan, candidates)
+                seconds += plan.catch_up_s / plan.horizon
         else:
             seconds += self.ngram_s.value
         if self.scoring == "auto":
-            scoring = min(("multi-query", "batch-expansion"),
-                          key=lambda m: verify_seconds(self.scorer_costs, m, ks))
+            plan.scoring = min(("multi-query", "batch-expansion"),
+                               key=lambda m: verify_seconds(self.scorer_costs, m, ks))
         # What verifying costs beyond a decode, as the table says, mended by what was measured.
-        extra = (verify_seconds(self.scorer_costs, scoring, ks) - self.scorer_costs(B, 1)
+        extra = (verify_seconds(self.scorer_costs, plan.scoring, ks) - self.scorer_costs(B, 1)
                  ) * self._verify_factor(K + 1)
         # An n-gram proposer may find nothing: when no row has a proposal, the step's
         # scoring is a decode.
         p_none = 1.0
         for r, k in zip(rates, ks):
             p_none *= 1.0 - (r if k else 0.0)
-        return scoring, max(seconds + extra * (1.0 - p_none), 1e-6)
+        plan.seconds = max(seconds + extra * (1.0 - p_none), 1e-6)
 
     def _rpc(self) -> float:
         """One call's time around the forward (the proposer's is taken to be the scorer's)."""
         return max(self.rpc_s.value, 0.0)
 
-    def _drafted(self, ks: list[int]) -> float:
-        """The draft's predicted forwards: step s runs over the rows still drafting."""
-        return sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(max(ks)))
+    def _drafted(self, ks: list[int], behind: list[int]) -> tuple[float, float]:
+        """The draft table's seconds for the step's forwards: (steady, catch-up). Step s runs
+        over the rows still drafting; the first reads what each row missed (padded to the
+        longest), of which up to 2 tokens (the bonus token, and the last proposal when all
+        were accepted) are the steady state and the rest is catch-up."""
+        rows = sum(1 for k in ks if k)
+        width = max((b for b, k in zip(behind, ks) if k), default=1)
+        steady = sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(1, max(ks)))
+        first = self.draft_costs(rows, min(width, 2))
+        return steady + first, max(self.draft_costs(rows, width) - first, 0.0)
 
     def _verify_factor(self, width: int) -> float:
         """The learned factor of the nearest verify width measured (1 before any)."""
@@ -245,6 +303,7 @@ class SpeculationPolicy:
         if asked == 0:
             est.idle()
             return
+        est.plain_steps = 0
         est.update(asked, proposed, accepted_prefix, DECAY)
         if proposed:
             self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
@@ -267,7 +326,7 @@ class SpeculationPolicy:
                 _factor(score_s - self.rpc_s.value - decode, extra))
         if max(plan.ks):
             if self.draft_model:
-                self.draft_factor.add(_factor(propose_s - self._rpc(), self._drafted(plan.ks)))
+                self.draft_factor.add(_factor(propose_s - self._rpc(), plan.draft_s))
             else:
                 self.ngram_s.add(propose_s)
 
@@ -279,3 +338,11 @@ class SpeculationPolicy:
 def _rate(plan: Plan) -> float:
     """Expected tokens per second."""
     return plan.expected_tokens / plan.seconds
+
+
+def _horizon(plan: Plan, candidates: list[Candidate]) -> float:
+    """Speculative steps a catch-up is spread over: the tokens the speculating sequences
+    have left, at the plan's expected tokens per sequence-step (at least 1)."""
+    left = [c.remaining for c, k in zip(candidates, plan.ks) if k]
+    per_seq_step = plan.expected_tokens / len(plan.ks)
+    return max(1.0, sum(left) / len(left) / per_seq_step)
