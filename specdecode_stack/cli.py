@@ -50,6 +50,13 @@ def opt(*names, **kw):
                         show_default=True, show_envvar=True, **kw)
 
 
+class WholeText(click.types.StringParamType):
+    """A repeatable option's text whose environment variable is one value, not split on
+    whitespace as click does by default (a stop string is often "\\n\\n" or has spaces)."""
+
+    envvar_list_splitter = "\0"  # cannot occur in an environment variable
+
+
 def option_group(*options):
     """One decorator for several options, listed in the order --help shows them."""
     def decorate(fn):
@@ -451,7 +458,9 @@ def _print_stream(address: str, prompt: str, as_json: bool, tls_ca: str | None =
 @opt("--top-k", default=0, type=click.IntRange(0), help="0 = the whole vocabulary.")
 @opt("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True), help="Nucleus mass.")
 @opt("--seed", default=None, type=int, help="Sampling seed (unset = nondeterministic).")
-@opt("--stop", multiple=True, help="A string that ends the generation (repeatable).")
+@opt("--stop", multiple=True, type=WholeText(),
+     help="A string that ends the generation (repeatable; SPECDECODE_STOP holds one, "
+          "spaces and newlines included).")
 @opt("--json", "as_json", is_flag=True, default=False,
      help="Print one JSON object (text, token ids, usage) instead of streaming text.")
 @opt("--tls-ca", default=None, type=click.Path(dir_okay=False),

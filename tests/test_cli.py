@@ -121,3 +121,14 @@ def test_demo_logs_into_a_temporary_directory_it_names():
     assert log.parent.parent == Path(tempfile.gettempdir())
     assert log.parent.name.startswith("specdecode-demo-") and log.parent.name != "specdecode-demo-"
     assert "/nonexistent/model.gguf" in log.read_text()
+
+
+def test_stop_from_the_environment_is_one_string_spaces_and_newlines_included(monkeypatch):
+    """click splits a repeatable option's environment variable on whitespace: "\\n\\n" would
+    become no stop string at all and "END OF" two. SPECDECODE_STOP holds exactly one."""
+    generate = main.commands["generate"]
+    for value in ("\n\n", "END OF TEXT"):
+        monkeypatch.setenv("SPECDECODE_STOP", value)
+        assert generate.make_context("generate", ["prompt"]).params["stop"] == (value,)
+    assert generate.make_context("generate", ["--stop", "a b", "--stop", "c", "x"]
+                                 ).params["stop"] == ("a b", "c")  # the flag wins over the env
