@@ -22,7 +22,8 @@ tokens (401), request bodies over the size the request limits need (413), field 
 (400 naming the field: prompt length, max_tokens within the model length, stop strings,
 finite temperature/top_p, k at most the server's), and admission: when the running and
 queued requests are at their limits, 429 with `Retry-After` (seconds) and `retry-after-ms`,
-as gRPC answers RESOURCE_EXHAUSTED with its `retry-after-ms` trailer.
+as gRPC answers RESOURCE_EXHAUSTED with its `retry-after-ms` trailer. A client that goes
+away cancels its generation, streamed or not (as a gRPC call's cancellation does).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -52,6 +53,7 @@ from orchestrator.usage import Usage, add_usage, openai_usage
 from specdecode.auth import TokenSet
 from specdecode.sequence import InvalidRequestError
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -213,12 +215,12 @@ def create_app(frontend: Frontend, served: Callable[[], ServedModel | None],
             "scoring_method": served.scoring_method}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await api.admitted(api.completions, body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.admitted(api.completions, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await api.admitted(api.chat, body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api.admitted(api.chat, body, request)
 
     return app
 
@@ -228,13 +230,14 @@ class _OpenAIApi:
         self.frontend, self._served = frontend, served
         self.created = int(time.time())
 
-    async def admitted(self, handler, body: _Sampling):
+    async def admitted(self, handler, body: _Sampling, request: Request):
         """Run a generation handler in an admission slot (429 when the server is full),
-        held until its response ends: a streamed one releases it when its stream ends."""
+        held until its response ends: a streamed one releases it when its stream ends.
+        A client that goes away before a non-streamed response is ready cancels it."""
         self.served()  # 503 while loading, before taking a slot
         slot = self.frontend.admit()
         try:
-            response = await handler(body, slot)
+            response = await _unless_disconnected(request, handler(body, slot))
         except BaseException:
             slot.release()
             raise
@@ -524,6 +527,23 @@ class _BodyLimit:
                 raise self._too_large(f"more than {seen}")
             return message
         await self.app(scope, limited, send)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """`work`, cancelled (499) if the client disconnects first. Uvicorn does not cancel a
+    handler whose client left: a non-streamed generation ran to max_tokens for no one and
+    held its admission slot. (A streamed response is stopped when its stream ends, `_sse`.)"""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=poll_s))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "client closed the request", code="client_closed_request")
+        return task.result()
+    finally:
+        task.cancel()  # our own cancellation (server shutdown) reaches the work too
 
 
 def _sse(events: AsyncIterator[dict], slot: Slot) -> StreamingResponse:

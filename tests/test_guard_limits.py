@@ -242,6 +242,40 @@ def test_full_queue_answers_with_a_retry_hint_on_both_apis(stack, target_model):
             c.close()
 
 
+def test_a_non_streamed_http_request_is_cancelled_when_its_client_leaves(stack):
+    """Uvicorn does not cancel a handler whose client went away: a non-streamed completion
+    ran to max_tokens for no one, holding its admission slot. With the scorer paused (so the
+    request cannot finish), a client sends one and disconnects: the orchestrator cancels it
+    while the scorer is still paused, and its slot is free again."""
+    def cancelled() -> float:
+        body = urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("specdecode_requests_total{")
+                   and 'outcome="cancelled"' in line)
+
+    scorer, before = stack.processes["scorer"], cancelled()
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 100}).encode()
+    os.kill(scorer.pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", stack.config.http_port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            deadline = time.monotonic() + 30
+            while metric(stack, "orchestrator", "specdecode_running_sequences") + \
+                    metric(stack, "orchestrator", "specdecode_waiting_requests") < 1:
+                assert time.monotonic() < deadline, "the request was not admitted in 30 s"
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10  # the server polls for a disconnect every 0.25 s
+        while cancelled() == before:
+            assert time.monotonic() < deadline, "not cancelled within 10 s of the disconnect"
+            time.sleep(0.05)
+    finally:
+        os.kill(scorer.pid, signal.SIGCONT)
+    assert cancelled() == before + 1
+
+
 def test_http_api_applies_the_grpc_limits(stack):
     """The OpenAI API goes through the same limits (orchestrator.generation.Frontend): the
     issue's rows, sent as JSON, get 400 naming the field, or 413 for a body over the size
