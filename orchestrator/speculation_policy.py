@@ -16,7 +16,10 @@ acceptance, proposers that rarely find an n-gram, a large batch or slow multi-to
 Acceptance is learned per sequence from what verification accepted (decayed counts, so it
 follows a sequence moving from prose into code), blended with the running acceptance of all
 sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
-tried again once the prior makes speculation look worth it.
+tried again once the prior makes speculation look worth it. The prior is other sequences'
+acceptance, so a sequence speculates at most twice the draft tokens it has itself had
+accepted (at least 1: k = 1, 2, 4, ... while all are accepted): a prose request arriving
+after code requests risks one cheap proposal, not k = 4 on code's acceptance.
 
 A draft model holds KV state only for what it was sent: after plain steps (and after the
 prompt, which it never sees) its first forward must read every token it missed (catch-up),
@@ -33,7 +36,7 @@ width that runs, so while plain decoding is chosen the policy now and then runs 
 promising speculative plan instead (exploration): a sequence is explored after 8 of its
 plain steps, then 16, 32, ... up to 256, and only while the exploration's predicted loss
 (its whole catch-up, and once a verify width has been measured its predicted time beyond
-plain decoding of the same tokens) fits in 3% of the time spent decoding plainly since the
+plain decoding of the same tokens) fits in 2% of the time spent decoding plainly since the
 last exploration. A table that wrongly says "never speculate" is mended by the first
 exploration (before any verify was measured, only the catch-up is charged); once it is
 right, exploring costs at most that share.
@@ -53,7 +56,7 @@ OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed u
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step ...
 EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
-EXPLORE_SHARE = 0.03  # an exploration's predicted loss: at most this share of the plain time
+EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 
 
@@ -79,6 +82,10 @@ class Acceptance:
 
     def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         return (self.accepted + weight * prior) / (self.tried + weight)
+
+    def trusted_k(self) -> int:
+        """The most it may speculate on its own evidence: twice its (decayed) accepted tokens."""
+        return max(1, int(2 * self.accepted))
 
     def proposal_rate(self, weight: float = 1.0) -> float:
         return (self.proposed + weight) / (self.asked + weight)
@@ -176,6 +183,7 @@ class SpeculationPolicy:
             return Plan(caps, "", 0.0, 0.0)
         prior = self.all.alpha(0.5, 0.0)
         est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
+        caps = [min(cap, a.trusted_k()) for cap, a in zip(caps, est)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         evaluate = lambda ks: self._evaluate(ks, alphas, rates, candidates)  # noqa: E731

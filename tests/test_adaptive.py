@@ -171,7 +171,9 @@ def test_policy_mends_a_start_up_table_that_wrongly_says_never_speculate():
     plans = run_steps(policy(wrong, None), 40, true, accept=True)
     first = next(i for i, plan in enumerate(plans) if plan.ks[0])
     assert plans[first].explore and first < 10  # measured after EXPLORE_FIRST plain steps
-    assert all(plan.ks == [4] and not plan.explore for plan in plans[first + 1:])
+    # then k grows with the sequence's own accepted tokens (1, 2, 4) and stays at 4
+    assert [plan.ks[0] for plan in plans[first:first + 3]] == [1, 2, 4]
+    assert all(plan.ks == [4] and not plan.explore for plan in plans[first + 1:][1:])
 
 
 def test_exploring_costs_little_when_the_table_is_right():
@@ -184,6 +186,22 @@ def test_exploring_costs_little_when_the_table_is_right():
     assert all(plan.explore for plan in spec) and 5 <= len(spec) <= 12
     spent = sum(costs(1, plan.ks[0] + 1) for plan in plans)
     assert spent < 1.01 * 2000 * costs(1, 1)
+
+
+def test_a_new_sequence_speculates_on_its_own_evidence():
+    """Other sequences accepted everything (a high prior), so a new one speculates, but k
+    grows with what it had accepted itself: 1, then 2, then 4 (at most twice its accepted
+    tokens); one rejected at its first proposal stays at 1."""
+    p = policy(table(0.25, 0.0), table(0.02, 0.0))
+    teach(p, 1, 8, 8)
+    ks = []
+    for _ in range(3):
+        ks.append(p.plan([Candidate(2, 8)]).ks[0])
+        p.observe(2, ks[-1], ks[-1], ks[-1])
+    assert ks == [1, 2, 5]
+    assert p.plan([Candidate(3, 8)]).ks == [1]
+    p.observe(3, 1, 1, 0)
+    assert p.plan([Candidate(3, 8)]).ks[0] <= 1
 
 
 def test_catch_up_is_spread_over_the_tokens_left():
@@ -218,10 +236,10 @@ def run_draft_steps(p: SpeculationPolicy, steps: int, scorer: ForwardCosts, draf
 def test_exploring_with_a_draft_pays_for_its_catch_up():
     """The issue's AVX2 CPU with a draft model: speculation does not pay, and exploring
     makes the draft read the prompt and every token decoded plainly since. A 64-token
-    request is not explored at all (12 ms a draft token: the catch-up never fits in 3% of
+    request is not explored at all (12 ms a draft token: the catch-up never fits in 2% of
     the plain time; the old 8, 16, 32 schedule explored it 3 times, each catch-up costing
     more than a decode); with a cheaper catch-up a long request is explored now and then,
-    and all of it costs under 3% over plain decoding."""
+    and all of it costs under 2% over plain decoding."""
     scorer = table(0.37, 0.255)
     plans = run_draft_steps(policy(scorer, table(0.05, 0.012)), 64, scorer, table(0.05, 0.012))
     assert not any(plan.ks[0] for plan, _ in plans)
@@ -229,7 +247,7 @@ def test_exploring_with_a_draft_pays_for_its_catch_up():
     plans = run_draft_steps(policy(scorer, draft), 2000, scorer, draft)
     assert 2 <= sum(1 for plan, _ in plans if plan.ks[0])
     assert all(plan.explore for plan, _ in plans if plan.ks[0])
-    assert sum(s for _, s in plans) < 1.03 * 2000 * (0.004 + scorer(1, 1))
+    assert sum(s for _, s in plans) < 1.02 * 2000 * (0.004 + scorer(1, 1))
 
 
 def test_engine_tells_the_policy_what_the_draft_missed(target_model):
