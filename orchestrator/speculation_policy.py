@@ -30,8 +30,8 @@ not lock speculation out where it pays, while a short one is not worth the catch
 The services' cost tables are measured once at start-up, often while the other service is
 loading on the same cores, and can be several times off. The policy therefore corrects them
 with what its own steps take (RPC included): an additive term learned on plain-decoding
-steps, and a factor per verify width on what verifying costs beyond a decode (and one on
-the draft's forwards) learned on speculative ones. A correction can only be learned for a
+steps, and a factor per verify width on what verifying costs beyond a decode (and on the
+draft's forwards: one for its steady steps, one for a catch-up) learned on speculative ones. A correction can only be learned for a
 width that runs, so while plain decoding is chosen the policy now and then runs the most
 promising speculative plan instead (exploration): a sequence is explored after 8 of its
 plain steps, then 16, 32, ... up to 256, and only while the exploration's predicted loss
@@ -142,7 +142,8 @@ class Plan:
     expected_tokens: float
     seconds: float  # predicted step time (catch-up spread over the steps left)
     explore: bool = False  # speculating although plain decoding was predicted faster
-    draft_s: float = 0.0  # the draft table's seconds for the step's forwards, catch-up included
+    draft_s: float = 0.0  # the draft table's seconds for the step's steady forwards ...
+    catch_up: float = 0.0  # ... and for its catch-up (both before the learned factors)
     catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
     horizon: float = 1.0  # speculative steps the catch-up is spread over
 
@@ -172,7 +173,8 @@ class SpeculationPolicy:
         # the tables: per verify width (on the cost beyond a decode), on the draft's forwards.
         self.step_s, self.rpc_s, self.ngram_s = Learned(0.0), Learned(0.0), Learned(0.0)
         self.verify_factor: dict[int, Learned] = {}
-        self.draft_factor = Learned(1.0)
+        self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
+        self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
         self.plain_s = 0.0  # predicted seconds of plain steps since the last exploration
 
     # -- choosing k ------------------------------------------------------------------------
@@ -260,8 +262,8 @@ class SpeculationPolicy:
             return
         if self.draft_model:
             steady, catch_up = self._drafted(ks, [c.behind for c in candidates])
-            plan.draft_s = steady + catch_up
-            plan.catch_up_s = self.draft_factor.value * catch_up
+            plan.draft_s, plan.catch_up = steady, catch_up
+            plan.catch_up_s = self.catch_up_factor.value * catch_up
             seconds += self._rpc() + self.draft_factor.value * steady
             if catch_up:
                 plan.horizon = _horizon(plan, candidates)
@@ -334,9 +336,20 @@ class SpeculationPolicy:
                 _factor(score_s - self.rpc_s.value - decode, extra))
         if max(plan.ks):
             if self.draft_model:
-                self.draft_factor.add(_factor(propose_s - self._rpc(), plan.draft_s))
+                self._learn_draft(propose_s - self._rpc(), plan)
             else:
                 self.ngram_s.add(propose_s)
+
+    def _learn_draft(self, measured: float, plan: Plan) -> None:
+        """The draft's factors: a catch-up forward (a prefill of what was missed) is off the
+        table by other factors than a decode step, so a step with one teaches the catch-up
+        factor (what is left after the steady forwards as predicted), one without the
+        steady factor."""
+        if plan.catch_up:
+            steady = self.draft_factor.value * plan.draft_s
+            self.catch_up_factor.add(_factor(measured - steady, plan.catch_up))
+        else:
+            self.draft_factor.add(_factor(measured, plan.draft_s))
 
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:

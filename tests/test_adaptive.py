@@ -216,6 +216,21 @@ def test_catch_up_is_spread_over_the_tokens_left():
     assert p.plan([Candidate(1, 4, behind=100, remaining=3)]).ks == [0]
 
 
+def test_a_catch_up_teaches_its_own_factor():
+    """A catch-up forward 3x dearer than the table (a long prefill) must not make the
+    draft's steady steps look 3x dearer too: they keep their own factor."""
+    p = policy(table(0.2, 0.01), table(0.02, 0.01))
+    teach(p, 1, 3, 4)
+    plan = p.plan([Candidate(1, 4, behind=50, remaining=64)])
+    assert plan.ks == [4] and plan.catch_up == pytest.approx(0.48)
+    propose_s = plan.draft_s + 3 * plan.catch_up
+    p.observe_step(plan, [4], propose_s, 0.24, 0.24 + propose_s)
+    assert p.catch_up_factor.value == pytest.approx(3.0) and p.draft_factor.value == 1.0
+    plan = p.plan([Candidate(1, 4, behind=1, remaining=60)])
+    p.observe_step(plan, [4], 2 * plan.draft_s, 0.24, 0.24 + 2 * plan.draft_s)
+    assert p.draft_factor.value == pytest.approx(2.0) and p.catch_up_factor.value == pytest.approx(3.0)
+
+
 def run_draft_steps(p: SpeculationPolicy, steps: int, scorer: ForwardCosts, draft: ForwardCosts,
                     prompt: int = 40, rpc_s: float = 0.004) -> list:
     """Drive the policy as the engine does, one sequence of a draft model whose proposals
