@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import SpecDecodeClient
-from specdecode_stack.local import LocalStack, StackConfig, free_port
+from specdecode_stack.local import LocalStack, StackConfig, free_port, wait_process_serving
 from specdecode.tls import TlsFiles, channel_credentials
 from specdecode.v1 import model_info_pb2, scorer_service_pb2_grpc
 from tests.certs import TestCA
@@ -148,3 +149,89 @@ def test_taken_ports_are_refused_with_one_line():
         assert out.returncode == 2
         assert out.stderr.strip().splitlines() == [
             f"error: --metrics-port 127.0.0.1:{port} is not available: Address already in use"]
+
+
+def _health(address: str, tls: TlsFiles) -> grpc.StatusCode:
+    """A health check over a new channel (a new TLS handshake) presenting `tls`."""
+    with grpc.secure_channel(address, channel_credentials(tls)) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def _rotate(src: str, dst: str) -> None:
+    """Replace dst with src's bytes the way a Secret volume does: a new file renamed over
+    it (the reader never sees half a file)."""
+    tmp = dst + ".new"
+    Path(tmp).write_bytes(Path(src).read_bytes())
+    os.replace(tmp, dst)
+
+
+def test_certificates_reload_without_a_restart(tmp_path, pki):
+    """A server's certificate, key and client CA are read again when their files change:
+    after a rotation, new connections see the new certificate and the new CA, and the
+    process is the same one (docs/security.md, transport security)."""
+    files = {name: str(tmp_path / f"served.{name}") for name in ("crt", "key", "ca")}
+    _rotate(pki["server"].cert, files["crt"])
+    _rotate(pki["server"].key, files["key"])
+    _rotate(pki["ca"], files["ca"])
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "specdecode_stack.cli", "serve", "proposer",
+                             "--model", "ngram", "--host", "127.0.0.1", "--port", str(port),
+                             "--metrics-port", str(free_port()), "--tls-cert", files["crt"],
+                             "--tls-key", files["key"], "--tls-ca", files["ca"]],
+                            stderr=subprocess.PIPE, text=True)
+    client, rogue = pki["client"], pki["rogue"]
+    ours = TlsFiles(client.cert, client.key, pki["ca"])  # trusts our CA, presents ours
+    theirs = TlsFiles(rogue.cert, rogue.key, pki["rogue_ca"])  # the same from the rogue CA
+    try:
+        wait_process_serving(address, 60, proc, ours)
+        assert (_health(address, ours), _health(address, theirs)) == \
+            (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
+        # Rotate all three files to the rogue CA's: the server now presents the rogue
+        # certificate and asks for client certificates the rogue CA signed.
+        _rotate(rogue.cert, files["crt"])
+        _rotate(rogue.key, files["key"])
+        _rotate(pki["rogue_ca"], files["ca"])
+        assert (_health(address, ours), _health(address, theirs)) == \
+            (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK)
+        assert proc.poll() is None  # no restart
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "TLS certificate reloaded from " + files["crt"] in err, err
+
+
+def test_up_serves_tls_mtls_and_tokens(tiny_model_dirs, pki, target_model, tmp_path):
+    """`specdecode up --tls-cert --tls-key --tls-ca --auth-token-file`: the whole stack
+    over TLS with mutual TLS inside; a client with the CA and a token gets the target's
+    output, a plaintext client and a missing token are refused."""
+    server, port = pki["server"], free_port()
+    log = tmp_path / "up.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdecode_stack.cli", "up", "--target-model",
+             tiny_model_dirs["target"], "--draft-model", tiny_model_dirs["draft"],
+             "--device", "cpu", "--num-speculative-tokens", "3", "--port", str(port),
+             "--http-port", "0", "--tls-cert", server.cert, "--tls-key", server.key,
+             "--tls-ca", pki["ca"], "--auth-token-file", pki["tokens"]],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once all three servers report SERVING
+        assert line.startswith(f"specdecode is serving on 127.0.0.1:{port}"), \
+            (line, log.read_text()[-2000:])
+        address = f"127.0.0.1:{port}"
+        with SpecDecodeClient(address, tls_ca=pki["ca"], token=TOKENS[1]) as client:
+            assert client.generate(PROMPT, max_tokens=MAX_TOKENS).token_ids == \
+                reference_greedy(target_model, PROMPT, MAX_TOKENS)
+        assert _code(lambda: SpecDecodeClient(address, 5, token=TOKENS[0]))[0] == \
+            grpc.StatusCode.UNAVAILABLE
+        assert _code(lambda: SpecDecodeClient(address, 5, tls_ca=pki["ca"]))[0] == \
+            grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.startswith("stopped: "), (out, log.read_text()[-2000:])
