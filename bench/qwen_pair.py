@@ -94,7 +94,7 @@ def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str
     reference = outputs[("target-only", 0)]
     table = Table(title=f"Qwen2.5-Coder 0.5B -> 1.5B, CPU {dtype}, batch of {len(prompts)} code "
                         f"prompts, {max_tokens} tokens each")
-    for col in ("mode", "k", "tokens/s", "vs target-only", "acceptance", "steps",
+    for col in ("mode", "k", "tokens/s", "vs target-only", "per repeat", "acceptance", "steps",
                 "tokens equal to target-only"):
         table.add_column(col)
     rows = []
@@ -103,11 +103,16 @@ def main(dtype: str, max_tokens: int, k: int, repeats: int, batch: int, out: str
         same = sum(a == b for o, ref in zip(outputs[(scoring, kk)], reference)
                    for a, b in zip(o, ref))
         total = sum(len(ref) for ref in reference)
+        # Each repeat against the target-only run of the same repeat (interleaved).
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"]
+                  for r, b in zip(rs, runs[("target-only", 0)])]
         row = {"mode": scoring, "k": kk, "tokens_per_s": tps, "speedup": tps / base,
+               "tokens_per_s_runs": [r["tokens_per_s"] for r in rs], "speedup_runs": ratios,
                "acceptance": rs[0]["acceptance"], "steps": rs[0]["steps"],
                "equal_tokens": same, "total_tokens": total}
         rows.append(row)
         table.add_row(scoring, str(kk), f"{tps:.2f}", f"{tps / base:.2f}x",
+                      f"{min(ratios):.2f}-{max(ratios):.2f}x",
                       "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}",
                       str(row["steps"]), f"{same}/{total}")
     Console(width=140).print(table)
