@@ -18,7 +18,7 @@ Models: smollm2 (SmolLM2-135M-Instruct, the services' default model), or kv-twin
 Llama with SmolLM2's KV geometry (its layers, KV heads and head dim, read from its config: the
 same bytes per token in the pool) whose projections are ~10x cheaper (hidden = KV heads x head
 dim, one query head per KV head, MLP twice the hidden size). On 2 CPU cores SmolLM2 computes
-~830 prompt tokens a second, so 200 x 1,000 tokens and a decode pass that recomputes the
+~870 prompt tokens a second, so 200 x 1,000 tokens and a decode pass that recomputes the
 evicted ones take ~8 minutes; the twin holds the same keys and values in ~2.
 """
 
