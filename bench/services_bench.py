@@ -3,15 +3,17 @@
 1. bytes per decode step (once both services hold the sequence) at 256 and 4,096 tokens of
    context (greedy and top-p 0.9), with sequence
    deltas on and off (tiny random models, B=1, draft = target);
-2. the gRPC stack against the in-process engine at B=1 (draft-model speculation, k=4):
+2. the gRPC stack against the in-process engine at B=1 (--batch; draft-model speculation, k=4):
    `--pair qwen` (Qwen2.5-Coder 0.5B -> 1.5B, bf16) or `--pair smollm2` (SmolLM2 drafting
-   for itself, float32), stack with deltas off (the old wire) and on;
+   for itself, float32): the stack as it was (deltas off, OpenMP threads that sleep after
+   every operator), with deltas, and with today's defaults (deltas, threads that spin briefly:
+   docs/design.md, "Threads on one host");
 3. aggregate tokens/s at B=8 with and without overlap, proposer and scorer pinned to
    separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, --overlap-k), and
    whether both runs gave the same tokens.
 
     python bench/services_bench.py [--pair qwen|smollm2] [--sections bytes,b1,overlap]
-                                   [--repeats 3] [--out bench/results/services.json]
+                                   [--repeats 3] [--batch 1] [--out bench/results/services.json]
 
 Run it under `flock /work/coord/heavy.lock` on a shared machine. Numbers are medians over
 --repeats; ratios compare runs made side by side in this one process.
@@ -98,14 +100,24 @@ def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
 
 
 def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int) -> dict:
+    """Tokens/s, step time and the share of it spent proposing and scoring (the columns a
+    stack's services report as busy), outputs."""
     eng = engine(target, draft, scoring, 4)
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    propose_s = score_s = 0.0
+    steps = 0
     start = time.perf_counter()
-    done = eng.generate([Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
-                         for i, p in enumerate(prompts)])
+    while eng.has_unfinished():
+        for out in eng.step():
+            outputs[int(out.request_id[1:])] += out.new_token_ids
+        propose_s, score_s = propose_s + eng.last_step.propose_s, score_s + eng.last_step.score_s
+        steps += 1
     seconds = time.perf_counter() - start
-    outputs = [done[f"r{i}"].output_token_ids for i in range(len(prompts))]
     return {"tokens_per_s": sum(map(len, outputs)) / seconds, "bytes_per_step": 0.0,
-            "outputs": outputs}
+            "step_ms": 1000 * seconds / steps, "proposer_busy": propose_s / seconds,
+            "scorer_busy": score_s / seconds, "outputs": outputs}
 
 
 def median(runs: list[dict]) -> dict:
@@ -151,25 +163,28 @@ def load_pair(pair: str):
     return target, draft, dtype, scoring, [tok(p).input_ids for p in CODE_PROMPTS]
 
 
-def section_b1(pair: str, repeats: int, max_tokens: int) -> list[dict]:
+def section_b1(pair: str, repeats: int, max_tokens: int, batch: int) -> list[dict]:
     target_dir, draft_dir, dtype, scoring, prompts = load_pair(pair)
+    prompts = [prompts[i % len(prompts)] for i in range(batch)]
     rows = []
     target = load_model(target_dir, torch.device("cpu"), getattr(torch, dtype))
     draft = load_model(draft_dir, torch.device("cpu"), getattr(torch, dtype))
-    r = median([run_inprocess(target, draft, scoring, prompts[:1], max_tokens)
+    r = median([run_inprocess(target, draft, scoring, prompts, max_tokens)
                 for _ in range(repeats)])
-    rows.append({"section": "b1", "pair": pair, "mode": "in-process", **r})
+    rows.append({"section": "b1", "pair": pair, "batch": batch, "mode": "in-process", **r})
     print("row", {k: v for k, v in rows[-1].items() if k != "outputs"}, flush=True)
     del target, draft
-    for deltas in (False, True):
+    sleep = {"OMP_WAIT_POLICY": "PASSIVE"}  # the stack's OpenMP setting before the brief spin
+    for mode, env in (("stack, deltas off, threads sleep", {"SPECDECODE_SEQUENCE_DELTAS": "false",
+                                                            **sleep}),
+                      ("stack, deltas on, threads sleep", sleep),
+                      ("stack, defaults (deltas, brief spin)", {})):
         config = StackConfig(target_model=target_dir, draft_model=draft_dir, device="cpu",
                              dtype=dtype, scoring=scoring, num_speculative_tokens=4, port=0,
-                             speculation="fixed",
-                             extra_env={"SPECDECODE_SEQUENCE_DELTAS": str(deltas).lower()})
+                             speculation="fixed", extra_env=env)
         with LocalStack(config) as stack:
-            r = median([run_stack(stack, prompts[:1], max_tokens) for _ in range(repeats)])
-        rows.append({"section": "b1", "pair": pair,
-                     "mode": f"stack, deltas {'on' if deltas else 'off'}", **r})
+            r = median([run_stack(stack, prompts, max_tokens) for _ in range(repeats)])
+        rows.append({"section": "b1", "pair": pair, "batch": batch, "mode": mode, **r})
         print("row", {k: v for k, v in rows[-1].items() if k != "outputs"}, flush=True)
     return rows
 
@@ -208,15 +223,17 @@ def print_tables(console: Console, rows: list[dict]) -> None:
     b1 = [r for r in rows if r["section"] == "b1"]
     if b1:
         base = next(r for r in b1 if r["mode"] == "in-process")
-        t = Table(title=f"B=1, {b1[0]['pair']}, k=4: stack vs in-process engine")
-        for col in ("mode", "tokens/s", "vs in-process", "bytes/step", "proposer busy",
-                    "scorer busy", "same tokens"):
+        t = Table(title=f"B={b1[0]['batch']}, {b1[0]['pair']}, k=4: stack vs in-process engine "
+                        "(busy: share of the wall time the proposer / scorer worked; in-process: "
+                        "proposing / scoring)")
+        for col in ("mode", "tokens/s", "vs in-process", "step ms", "bytes/step",
+                    "proposer busy", "scorer busy", "same tokens"):
             t.add_column(col)
         for r in b1:
             t.add_row(r["mode"], f"{r['tokens_per_s']:.2f}",
-                      f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x",
+                      f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x", f"{r['step_ms']:.0f}",
                       f"{r['bytes_per_step']:.0f}",
-                      f"{r.get('proposer_busy', 0):.0%}", f"{r.get('scorer_busy', 0):.0%}",
+                      f"{r['proposer_busy']:.0%}", f"{r['scorer_busy']:.0%}",
                       str(r["outputs"] == base["outputs"]))
         console.print(t)
     ov = [r for r in rows if r["section"] == "overlap"]
@@ -241,11 +258,13 @@ def print_tables(console: Console, rows: list[dict]) -> None:
 @click.option("--sections", default="bytes,b1,overlap", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
+@click.option("--batch", default=1, show_default=True,
+              help="Concurrent streams in the stack vs in-process section (its B).")
 @click.option("--overlap-k", default=1, show_default=True,
               help="Speculative tokens per step in the overlap section (1: proposer and scorer "
                    "do one forward pass each per group; docs/benchmarks.md has k=2 too).")
 @click.option("--out", default="bench/results/services.json", show_default=True)
-def main(pair: str, sections: str, repeats: int, max_tokens: int, overlap_k: int,
+def main(pair: str, sections: str, repeats: int, max_tokens: int, batch: int, overlap_k: int,
          out: str) -> None:
     console = Console(width=160)
     rows: list[dict] = []
@@ -254,7 +273,7 @@ def main(pair: str, sections: str, repeats: int, max_tokens: int, overlap_k: int
             if section == "bytes":
                 new = section_bytes(Path(tmp), repeats)
             elif section == "b1":
-                new = section_b1(pair, repeats, max_tokens)
+                new = section_b1(pair, repeats, max_tokens, batch)
             elif section == "overlap":
                 new = section_overlap(repeats, max_tokens, overlap_k)
             else:
