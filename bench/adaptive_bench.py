@@ -313,7 +313,8 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> Non
         chosen = [r["chosen_k"] for r in rs if r["chosen_k"] == r["chosen_k"]]
         chosen_k = statistics.mean(chosen) if chosen else None
         equal = "-"
-        ref_path = "HF target-only" if has_ref else own_zero or path
+        ref_path = "HF target-only" if has_ref else own_zero or (
+            path if path in OWN_ZERO.values() else None)  # HF paths without ref: "-"
         ref_rows = groups.get((ref_path, 1, cls), [])
         if cls != "all" and ref_rows:
             # rows run prompt by prompt within a repeat: row i is prompt i % n

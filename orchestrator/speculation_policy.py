@@ -31,15 +31,17 @@ The services' cost tables are measured once at start-up, often while the other s
 loading on the same cores, and can be several times off. The policy therefore corrects them
 with what its own steps take (RPC included): an additive term learned on plain-decoding
 steps, and a factor per verify width on what verifying costs beyond a decode (and on the
-draft's forwards: one for its steady steps, one for a catch-up) learned on speculative ones. A correction can only be learned for a
-width that runs, so while plain decoding is chosen the policy now and then runs the most
-promising speculative plan instead (exploration): a sequence is explored after 8 of its
-plain steps, then 16, 32, ... up to 256, and only while the exploration's predicted loss
-(its whole catch-up, and once a verify width has been measured its predicted time beyond
-plain decoding of the same tokens) fits in 2% of the time spent decoding plainly since the
-last exploration. A table that wrongly says "never speculate" is mended by the first
-exploration (before any verify was measured, only the catch-up is charged); once it is
-right, exploring costs at most that share.
+draft's forwards: one for its steady steps, one for a catch-up) learned on speculative ones.
+A correction can only be learned for a width that runs, so while plain decoding is chosen
+the policy now and then runs the most promising speculative plan instead (exploration): a
+sequence is explored after 8 of its plain steps, then 16, 32, ... up to 256, and only while
+the exploration's predicted loss (its whole catch-up, and once a verify width has been
+measured its predicted time beyond plain decoding of the same tokens) fits in 2% of the time
+each sequence it explores spent decoding plainly since it last speculated (its own time: a
+budget saved while other requests decoded plainly is not spent on one request). A table that
+wrongly says "never speculate" is mended by the first exploration (before any verify was
+measured, only the catch-up is charged); once it is right, exploring costs at most that
+share.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Acceptance:
     proposed: float = 0.0  # steps where the proposer returned tokens ...
     asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
     plain_steps: int = 0  # steps without speculation since it last speculated ...
+    plain_s: float = 0.0  # ... and their predicted seconds (its exploration budget)
     explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
 
     def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
@@ -175,7 +178,6 @@ class SpeculationPolicy:
         self.verify_factor: dict[int, Learned] = {}
         self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
         self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
-        self.plain_s = 0.0  # predicted seconds of plain steps since the last exploration
 
     # -- choosing k ------------------------------------------------------------------------
 
@@ -214,22 +216,18 @@ class SpeculationPolicy:
         """Run the best speculative plan although plain decoding looks faster when one of its
         sequences is due (its plain steps reached its wait) and the predicted loss fits the
         budget, so that speculation's cost is measured rather than taken from the table."""
-        if any(best.ks):
-            self.plain_s = 0.0
+        if any(best.ks) or best_spec is None:
             return best
-        self.plain_s += plain.seconds
-        if best_spec is None:
-            return best
+        for a in est:
+            a.plain_s += plain.seconds
         due = [i for i, k in enumerate(best_spec.ks)
                if k and est[i].plain_steps >= est[i].explore_after]
-        if not due:
-            return best
-        loss = self._explore_loss(best_spec, plain)
-        if loss > EXPLORE_SHARE * self.plain_s:
+        # Each due sequence's own plain time pays: the loss never concentrates on one request.
+        if not due or self._explore_loss(best_spec, plain) > EXPLORE_SHARE * min(
+                est[i].plain_s for i in due):
             return best
         for i in due:
             est[i].explore_after = min(2 * est[i].explore_after, EXPLORE_MAX)
-        self.plain_s = 0.0
         best_spec.explore = True
         return best_spec
 
@@ -313,7 +311,7 @@ class SpeculationPolicy:
         if asked == 0:
             est.idle()
             return
-        est.plain_steps = 0
+        est.plain_steps, est.plain_s = 0, 0.0
         est.update(asked, proposed, accepted_prefix, DECAY)
         if proposed:
             self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)

@@ -256,7 +256,11 @@ def test_exploring_with_a_draft_pays_for_its_catch_up():
     more than a decode); with a cheaper catch-up a long request is explored now and then,
     and all of it costs under 2% over plain decoding."""
     scorer = table(0.37, 0.255)
-    plans = run_draft_steps(policy(scorer, table(0.05, 0.012)), 64, scorer, table(0.05, 0.012))
+    p = policy(scorer, table(0.05, 0.012))
+    for _ in range(500):  # other requests decoding plainly (k=0) first: no budget saved for it
+        p.observe(2, 0, 0, 0)
+        p.observe_step(p.plan([Candidate(2, 0)]), [0], 0.0, 0.374, 0.376)
+    plans = run_draft_steps(p, 64, scorer, table(0.05, 0.012))
     assert not any(plan.ks[0] for plan, _ in plans)
     draft = table(0.05, 0.004)
     plans = run_draft_steps(policy(scorer, draft), 2000, scorer, draft)
