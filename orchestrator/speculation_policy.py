@@ -34,14 +34,13 @@ steps, and a factor per verify width on what verifying costs beyond a decode (an
 draft's forwards: one for its steady steps, one for a catch-up) learned on speculative ones.
 A correction can only be learned for a width that runs, so while plain decoding is chosen
 the policy now and then runs the most promising speculative plan instead (exploration): a
-sequence is explored after 8 of its plain steps, then 16, 32, ... up to 256, and only while
-the exploration's predicted loss (its whole catch-up, and once a verify width has been
-measured its predicted time beyond plain decoding of the same tokens) fits in 2% of the time
-each sequence it explores spent decoding plainly since it last speculated (its own time: a
-budget saved while other requests decoded plainly is not spent on one request). A table that
-wrongly says "never speculate" is mended by the first exploration (before any verify was
-measured, only the catch-up is charged); once it is right, exploring costs at most that
-share.
+sequence is explored after 8 of its plain steps, then 16, 32, ... up to 256. The first
+exploration of the policy is free (the start-up table is unchecked: charged its catch-up, it
+never ran on a fast-bf16 CPU where speculation pays 2x); later ones run only while their
+predicted loss (the whole catch-up and the time beyond plain decoding of the same tokens)
+fits in 2% of the time each sequence it explores spent decoding plainly since it last
+speculated (its own time: a budget saved while other requests decoded plainly is not spent
+on one request).
 """
 
 from __future__ import annotations
@@ -232,14 +231,14 @@ class SpeculationPolicy:
         return best_spec
 
     def _explore_loss(self, spec: Plan, plain: Plan) -> float:
-        """Predicted seconds an exploration costs beyond plain decoding of its tokens: the
-        whole catch-up, and, once some verify width has been measured (before, the table's
-        multi-token slope is what exploring is there to check), the rest of its time."""
-        loss = spec.catch_up_s
-        if self.verify_factor:
-            steady = spec.seconds - spec.catch_up_s / spec.horizon
-            loss += max(steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
-        return loss
+        """Predicted seconds an exploration costs beyond plain decoding of its tokens: its
+        whole catch-up and the rest of its time. Nothing before any verify was measured:
+        the start-up table is what the first exploration checks (one per policy)."""
+        if not self.verify_factor:  # the table is unchecked: the first exploration is free
+            return 0.0
+        steady = spec.seconds - spec.catch_up_s / spec.horizon
+        return spec.catch_up_s + max(
+            steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
 
     def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float],
                   candidates: list[Candidate]) -> Plan:
