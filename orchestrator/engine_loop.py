@@ -51,8 +51,9 @@ class EngineLoop:
 
     @property
     def waiting(self) -> int:
-        """Requests submitted that have not joined a step yet."""
-        return len(self._pending)
+        """Requests submitted that have not joined a step yet (new, or queued for a running
+        slot)."""
+        return len(self._pending) + len(self._waiting)
 
     def submit(self, request: Request, sink: Sink) -> None:
         """Join at the next step; sink receives each StepOutput, or the exception that
@@ -77,8 +78,10 @@ class EngineLoop:
 
     def _take_commands(self) -> tuple[list[tuple[Request, Sink]], list[str]] | None:
         with self._cv:
+            # Queued requests are work too: when the running ones all finish in one step,
+            # the next round admits them (waiting here instead stranded them for good).
             while not (self._stopped or self._pending or self._aborts or self._cancel_all
-                       or self.engine.has_unfinished()):
+                       or self._waiting or self.engine.has_unfinished()):
                 self._cv.wait()
             if self._stopped:
                 return None

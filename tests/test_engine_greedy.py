@@ -3,7 +3,11 @@ model's own greedy decoding token for token, in float32."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+
+from orchestrator.engine_loop import EngineLoop
 
 from tests.conftest import greedy_request, make_engine, reference_greedy
 
@@ -79,3 +83,31 @@ def test_max_model_len_stops_generation(target_model):
     assert len(prompt) + len(done["x"].output_token_ids) == max_len
     assert done["x"].output_token_ids == reference_greedy(target_model, prompt, 6)
     assert done["x"].finish_reason == "length"
+
+
+def test_a_queued_request_runs_when_the_running_ones_finish_in_one_step(target_model,
+                                                                      draft_model, expected):
+    """EngineLoop with max_running=2 and three identical requests: two run, one waits for a
+    slot. The two finish in the same step; the queued one must still run (the loop used to
+    wait for new commands with it queued, and it waited for good)."""
+    loop = EngineLoop(make_engine(target_model, draft_model, "multi-query", 3), max_running=2)
+    tokens: dict[str, list[int]] = {}
+    done = threading.Semaphore(0)
+
+    def sink_for(rid: str):
+        def sink(out) -> None:
+            assert not isinstance(out, BaseException), out
+            tokens.setdefault(rid, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                done.release()
+        return sink
+
+    for rid in ("a", "b", "c"):  # all submitted before the loop starts: one round admits two
+        loop.submit(greedy_request(rid, PROMPTS[0], MAX_TOKENS), sink_for(rid))
+    loop.start()
+    try:
+        finished = sum(done.acquire(timeout=20) for _ in range(3))
+    finally:
+        loop.stop()
+    assert finished == 3, f"{finished} of 3 requests finished; tokens so far {tokens}"
+    assert tokens == {rid: expected[0] for rid in "abc"}
