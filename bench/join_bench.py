@@ -14,12 +14,10 @@ many gaps.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,38 +28,18 @@ from rich.table import Table
 
 from orchestrator.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
+from join_stream import BEFORE, JOIN_AT, gaps_of, stream_with_join
 from tiny_models import TinyModelSpec, build_tiny_model
 
 TARGET = TinyModelSpec(seed=1, max_position_embeddings=8192)  # tests/conftest.py's pair
 DRAFT = TinyModelSpec(seed=2, num_layers=1, max_position_embeddings=8192)
 SHORT = [5, 17, 99, 3]
-JOIN_AT, BEFORE, AFTER = 40, 30, 10  # tokens of the stream (as in the join test)
-
-
-def gaps_of(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def join_once(client: SpecDecodeClient, prompt: list[int]) -> tuple[list[float], float]:
     """The stream's gaps over the join window, and the long request's latency."""
-    times, joined = [], {}
-
-    def join() -> None:
-        joined["start"] = time.perf_counter()
-        client.generate(prompt, max_tokens=8)
-        joined["end"] = time.perf_counter()
-
-    thread = threading.Thread(target=join)
-    call = client.stream(SHORT, max_tokens=4000)
-    for _ in call:
-        times.append(time.perf_counter())
-        if len(times) == JOIN_AT:
-            thread.start()
-        if sum(t > joined.get("end", float("inf")) for t in times) > AFTER:
-            call.cancel()
-            break
-    thread.join()
-    return gaps_of(times)[JOIN_AT - BEFORE:], joined["end"] - joined["start"]
+    joined = stream_with_join(client, SHORT, prompt, long_max_tokens=8, stream_max_tokens=4000)
+    return joined.window, joined.seconds
 
 
 def alone(client: SpecDecodeClient, n: int) -> list[float]:

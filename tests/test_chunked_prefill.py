@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import statistics
-import threading
-import time
 import urllib.request
 
 import pytest
 import torch
 
+from bench.join_stream import BEFORE, stream_with_join
 from bench.tiny_models import build_tiny_model
 from orchestrator.client import SpecDecodeClient
 from orchestrator.engine import Sequence, plan_step
@@ -110,7 +109,7 @@ def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
     must hold in one; exact outputs and the forward-size bound hold in all."""
     target, _, dirs = long_models
     short = [5, 17, 99, 3]
-    n_long, join_at, before, after = 8, 40, 30, 10
+    n_long = 8
     config = StackConfig(target_model=dirs["target"], draft_model=dirs["draft"],
                          tokenizer="none", device="cpu", num_speculative_tokens=3, port=0,
                          orchestrator_args=["--max-num-batched-tokens", "256"])
@@ -120,35 +119,18 @@ def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
         for attempt in range(5):
             long = torch.randint(0, 256, (4000,),
                                  generator=torch.Generator().manual_seed(attempt)).tolist()
-            times, tokens, joined = [], [], {}
-
-            def join_long():
-                joined["start"] = time.perf_counter()
-                joined["tokens"] = client.generate(long, max_tokens=n_long).token_ids
-                joined["end"] = time.perf_counter()
-
-            thread = threading.Thread(target=join_long)
-            call = client.stream(short, max_tokens=2000)
-            for response in call:
-                times.append(time.perf_counter())
-                tokens += response.token_ids
-                if len(times) == join_at:
-                    thread.start()
-                if sum(t > joined.get("end", float("inf")) for t in times) > after:
-                    call.cancel()
-                    break
-            thread.join()
-            assert "end" in joined and times[-1] > joined["end"], "the stream ended first"
-            streamed.append(tokens)
-            assert joined["tokens"] == reference_greedy(target, long, n_long)
-            gaps = [b - a for a, b in zip(times, times[1:])][join_at - before:]
-            alone = statistics.median(gaps[:before - 1])
+            joined = stream_with_join(client, short, long, n_long, stream_max_tokens=2000)
+            assert joined.times[-1] > joined.end, "the stream ended first"
+            streamed.append(joined.tokens)
+            assert joined.long_tokens == reference_greedy(target, long, n_long)
+            gaps = joined.window
+            alone = statistics.median(gaps[:BEFORE - 1])
             median, worst = statistics.median(gaps), max(gaps)
             ratios.append(worst / median)
             print(f"attempt {attempt}: the running stream's median gap {median * 1e3:.1f} ms "
                   f"({alone * 1e3:.1f} ms alone), largest {worst * 1e3:.1f} ms "
                   f"({ratios[-1]:.2f}x the median, {worst / alone:.2f}x alone); the long "
-                  f"prompt took {joined['end'] - joined['start']:.2f} s")
+                  f"prompt took {joined.seconds:.2f} s")
             if ratios[-1] < 3:
                 break
         largest = {role: largest_forward(stack, role) for role in ("proposer", "scorer")}
