@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +145,21 @@ def paired(stack: LocalStack, prompts: list[list[int]], max_tokens: int, repeats
     return outs_a, outs_b
 
 
+def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
+    """(target dir, draft dir, text -> prompt ids) of the Qwen pair, or of tiny random test
+    models (a smoke test of a script: prompts as byte ids)."""
+    if pair == "tiny":
+        tmp = Path(tempfile.mkdtemp())
+        target_dir, draft_dir = tmp / "target", tmp / "draft"
+        build_tiny_model(TinyModelSpec(seed=1)).save_pretrained(target_dir)
+        build_tiny_model(TinyModelSpec(seed=2, num_layers=1)).save_pretrained(draft_dir)
+        return target_dir, draft_dir, lambda text: [b % 256 for b in text.encode()][-48:]
+    draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
+    target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
+    tokenizer = load_tokenizer(target_dir)
+    return target_dir, draft_dir, lambda text: tokenizer(text).input_ids
+
+
 @click.command()
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
 @click.option("--quick", is_flag=True, help="One prompt per class, 16 tokens each, k in "
@@ -175,16 +191,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
     fixed, be_ks, hf_ks = ([int(x) for x in s.split(",") if x] for s in (fixed_k, be_k, hf_k))
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
     console = Console(width=170)
-    if pair == "tiny":  # a smoke test of this script: random models, prompts as byte ids
-        tmp = Path(tempfile.mkdtemp())
-        target_dir, draft_dir = tmp / "target", tmp / "draft"
-        build_tiny_model(TinyModelSpec(seed=1)).save_pretrained(target_dir)
-        build_tiny_model(TinyModelSpec(seed=2, num_layers=1)).save_pretrained(draft_dir)
-        encode = lambda text: [b % 256 for b in text.encode()][-48:]  # noqa: E731
-    else:
-        draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
-        target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
-        encode = lambda text: load_tokenizer(target_dir)(text).input_ids  # noqa: E731
+    target_dir, draft_dir, encode = pair_dirs(pair)
     classes = [(c, encode(p)) for c in classes.split(",") for p in PROMPTS[c][:per_class]]
     prompts = [ids for _, ids in classes]
     for dtype in dtypes.split(","):

@@ -1,0 +1,122 @@
+"""Why the adaptive policy picks the k it picks: one engine driving the real services of a
+local stack, every step's plan printed beside what the step measured.
+
+    python bench/policy_trace.py [--dtype bfloat16] [--classes code] [--max-tokens 64]
+    python bench/policy_trace.py --pair tiny --max-tokens 16     # a smoke test in seconds
+
+The services are the stack's (started as `specdecode up` starts them, so their start-up cost
+tables are measured the same way); the engine runs in this process with the policy the
+orchestrator builds, so its plans can be read. Per step: the chosen k per sequence, whether
+it explored, the cap slow start allowed, the draft's lag (catch-up tokens), the predicted
+seconds and tokens of the chosen plan, of plain decoding and of the best speculative plan,
+the measured propose / score / total seconds, and the learned corrections (draft factor,
+catch-up factor, verify factors, RPC and step overheads). The services' tables are printed
+as reported at start-up and again at the end (refreshed by live forwards).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import grpc
+
+from orchestrator.deadlines import ResilienceOptions
+from orchestrator.engine import Request, SpecDecodeEngine
+from orchestrator.fanout import connect_services
+from orchestrator.remote import RemoteProposer, RemoteScorer
+from orchestrator.speculation_policy import SpeculationPolicy
+from specdecode.sequence import SamplingParams
+from specdecode_stack.local import LocalStack, StackConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from adaptive_bench import PROMPTS, pair_dirs  # noqa: E402
+
+
+def show_table(name: str, costs) -> None:
+    if costs is None:
+        print(f"{name}: no table")
+        return
+    print(f"{name} (seconds; rows x query tokens {costs.tokens}):")
+    for r, line in zip(costs.rows, costs.seconds):
+        print(f"  {r} rows: " + "  ".join(f"{s:.4f}" for s in line))
+
+
+def factors(p: SpeculationPolicy) -> str:
+    verify = ",".join(f"{w}:{f.value:.2f}" for w, f in sorted(p.verify_factor.items()))
+    return (f"draft x{p.draft_factor.value:.2f} catch-up x{p.catch_up_factor.value:.2f} "
+            f"verify[{verify}] rpc {p.rpc_s.value * 1e3:.0f}ms step {p.step_s.value * 1e3:.0f}ms")
+
+
+@click.command()
+@click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--classes", default="code", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--k-max", default=4, show_default=True, help="--num-speculative-tokens")
+@click.option("--draft", default="model", type=click.Choice(["model", "ngram"]), show_default=True)
+def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
+    target_dir, draft_dir, encode = pair_dirs(pair)
+    draft_model = str(draft_dir) if draft == "model" else "ngram"
+    config = StackConfig(target_model=str(target_dir), draft_model=draft_model, tokenizer="none",
+                         device="cpu", dtype=dtype, port=0, num_speculative_tokens=k_max)
+    with LocalStack(config) as stack:
+        proposer, scorer, p_info, s_info = connect_services(
+            stack.service_addresses["proposer"], stack.service_addresses["scorer"], [],
+            ResilienceOptions(), 60.0)
+        show_table("scorer at start-up", s_info.forward_cost.snapshot())
+        show_table("draft at start-up", p_info.forward_cost and p_info.forward_cost.snapshot())
+        policy = SpeculationPolicy(k_max, scorer_costs=s_info.forward_cost,
+                                   draft_costs=p_info.forward_cost,
+                                   draft_model=p_info.vocab_size > 0, scoring=s_info.scoring_method)
+        seen = {}
+        explore = policy._maybe_explore
+
+        def recording(best, best_spec, plain, est):
+            seen.update(best_spec=best_spec, plain=plain,
+                        caps=[a.trusted_k() for a in est])
+            return explore(best, best_spec, plain, est)
+        policy._maybe_explore = recording
+        engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
+                                  max_model_len=min(p_info.max_model_len, s_info.max_model_len),
+                                  num_speculative_tokens=k_max, policy=policy)
+        try:
+            for cls in classes.split(","):
+                ids = encode(PROMPTS[cls][0])
+                engine.add_request(Request(cls, ids, SamplingParams(max_tokens=max_tokens)))
+                print(f"\n== {cls}: {len(ids)} prompt tokens, {max_tokens} to generate")
+                step, total, tokens = 0, 0.0, 0
+                while engine.has_unfinished():
+                    seen.clear()
+                    behind = {s.seq_id: len(s.token_ids) - s.drafted
+                              for s in engine.running.values()}
+                    outs = engine.step()
+                    st = engine.last_step
+                    total += st.total_s
+                    tokens += sum(len(o.new_token_ids) for o in outs)
+                    line = (f"{step:3d} k={st.ks} {'EXPLORE ' if st.explore else ''}"
+                            f"behind={list(behind.values())} new={st.new_tokens} "
+                            f"acc={st.accepted_tokens}/{st.draft_tokens} "
+                            f"meas p/s/t={st.propose_s:.3f}/{st.score_s:.3f}/{st.total_s:.3f}")
+                    if "plain" in seen:
+                        plain, spec = seen["plain"], seen["best_spec"]
+                        line += f" | cap={seen['caps']} plain {plain.seconds:.3f}s"
+                        if spec is not None:
+                            line += (f" spec k={spec.ks} {spec.expected_tokens:.2f}tok/"
+                                     f"{spec.seconds:.3f}s (x{spec.expected_tokens / spec.seconds * plain.seconds:.2f} plain; "
+                                     f"draft {spec.draft_s:.3f} catch-up {spec.catch_up_s:.3f} over {spec.horizon:.0f})")
+                    print(line + " | " + factors(policy), flush=True)
+                    step += 1
+                print(f"== {cls}: {tokens} tokens in {total:.2f} s = {tokens / total:.2f} tokens/s")
+            for role, cls_ in (("scorer", RemoteScorer), ("proposer", RemoteProposer)):
+                with grpc.insecure_channel(stack.service_addresses[role]) as channel:
+                    show_table(f"{role} at the end (refreshed by live forwards)",
+                               cls_(channel).model_info().forward_cost)
+        finally:
+            proposer.close()
+            scorer.close()
+
+
+if __name__ == "__main__":
+    main()
