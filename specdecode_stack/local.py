@@ -152,14 +152,18 @@ class LocalStack:
         auth = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
         probe = c.tls if c.tls.enabled else None  # health checks present our certificate
         try:
+            # One after the other: each service times its forwards at start-up (the cost
+            # table adaptive speculation plans with), and timed while the other loaded on
+            # the same cores the draft's table came out 8x too dear (docs/design.md,
+            # adaptive speculation). On a shared host the loads compete anyway.
             scorer = self._spawn("scorer", "--port", s_addr.rsplit(":", 1)[1], "--model", model,
                                  "--scoring", c.scoring, *model_args, *self._tls_args("scorer"),
                                  *c.service_args)
+            wait_process_serving(s_addr, timeout_s, scorer, probe, c.log_file)
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
                                    "--model", c.draft_model, "--draft-vocab-size",
                                    str(c.draft_vocab_size), *model_args,
                                    *self._tls_args("proposer"), *c.service_args)
-            wait_process_serving(s_addr, timeout_s, scorer, probe, c.log_file)
             wait_process_serving(p_addr, timeout_s, proposer, probe, c.log_file)
             if not c.port:
                 self.address = self.service_addresses["orchestrator"] = \
