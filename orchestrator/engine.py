@@ -407,6 +407,7 @@ class SpecDecodeEngine:
         counters = self._service_counters()
         seqs = [s for s, _ in step_plan]
         chunks = [i for i, (_, chunk) in enumerate(step_plan) if chunk is not None]
+        prefill = any(not s.output_token_ids for s in seqs)  # a prompt (or chunk) is computed
         plan, req = (planned.plan, planned.req) if planned else self._plan_request(step_plan)
         k = req.num_lookahead_slots
         with deadlines.bounded_by(self._deadline(seqs)):
@@ -497,8 +498,9 @@ class SpecDecodeEngine:
         stats.bytes_sent = sum(s.bytes_sent for s in stats.services.values())
         stats.bytes_received = sum(s.bytes_received for s in stats.services.values())
         # A step whose proposer failed or timed out (orchestrator.fanout) says nothing of the
-        # proposer's cost: its time is not learned.
-        if drafted or not k:
+        # proposer's cost, nor one that computed a prompt of decode or verify costs: their
+        # times are not learned.
+        if (drafted or not k) and not prefill:
             self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
                                      stats.score_s, stats.total_s)
         self.last_step = stats

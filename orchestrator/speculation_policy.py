@@ -27,20 +27,22 @@ a forward of that many query tokens. The policy counts it, spread over the specu
 steps the request has left (the draft then stays current), so a long plain stretch does
 not lock speculation out where it pays, while a short one is not worth the catch-up.
 
-The services' cost tables are measured once at start-up, often while the other service is
-loading on the same cores, and can be several times off. The policy therefore corrects them
-with what its own steps take (RPC included): an additive term learned on plain-decoding
-steps, and a factor per verify width on what verifying costs beyond a decode (and on the
-draft's forwards: one for its steady steps, one for a catch-up) learned on speculative ones.
+The services' cost tables are measured once at start-up; timed while the other service
+loads on the same cores they can be several times off (`specdecode up` therefore starts
+one service after the other). The policy corrects them with what its own steps take (RPC
+included; steps that compute a prompt teach nothing): an additive term learned on
+plain-decoding steps, and a factor per verify width on what verifying costs beyond a decode
+(and on the draft's forwards: one for its steady steps, one for a catch-up; until a steady
+step was measured, a step with a catch-up teaches both) learned on speculative ones.
 A correction can only be learned for a width that runs, so while plain decoding is chosen
 the policy now and then runs the most promising speculative plan instead (exploration): a
 sequence is explored after 8 of its plain steps, then 16, 32, ... up to 256. The first
-exploration of the policy is free (the start-up table is unchecked: charged its catch-up, it
-never ran on a fast-bf16 CPU where speculation pays 2x); later ones run only while their
-predicted loss (the whole catch-up and the time beyond plain decoding of the same tokens)
-fits in 2% of the time each sequence it explores spent decoding plainly since it last
-speculated (its own time: a budget saved while other requests decoded plainly is not spent
-on one request).
+exploration checks the start-up table: it runs while its predicted loss (the whole catch-up
+and the time beyond plain decoding of the same tokens) fits in 3% of the plain time its
+requests have left, so a short request does not pay for a long catch-up. Later ones run
+only while their predicted loss fits in 2% of the time each sequence it explores spent
+decoding plainly since it last speculated (its own time: a budget saved while other
+requests decoded plainly is not spent on one request).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the c
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step ...
 EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
 EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
+EXPLORE_FIRST_SHARE = 0.03  # ... the first's: of the plain time its requests have left
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 
 
@@ -208,10 +211,10 @@ class SpeculationPolicy:
                 best_spec = plan
         if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
             best = best_spec
-        return self._maybe_explore(best, best_spec, plain, est)
+        return self._maybe_explore(best, best_spec, plain, est, candidates)
 
     def _maybe_explore(self, best: Plan, best_spec: Plan | None, plain: Plan,
-                       est: list[Acceptance]) -> Plan:
+                       est: list[Acceptance], candidates: list[Candidate]) -> Plan:
         """Run the best speculative plan although plain decoding looks faster when one of its
         sequences is due (its plain steps reached its wait) and the predicted loss fits the
         budget, so that speculation's cost is measured rather than taken from the table."""
@@ -221,9 +224,16 @@ class SpeculationPolicy:
             a.plain_s += plain.seconds
         due = [i for i, k in enumerate(best_spec.ks)
                if k and est[i].plain_steps >= est[i].explore_after]
-        # Each due sequence's own plain time pays: the loss never concentrates on one request.
-        if not due or self._explore_loss(best_spec, plain) > EXPLORE_SHARE * min(
-                est[i].plain_s for i in due):
+        if not due:
+            return best
+        if self.verify_factor:
+            # Each due sequence's own plain time pays: the loss never concentrates on one
+            # request.
+            budget = EXPLORE_SHARE * min(est[i].plain_s for i in due)
+        else:  # the unchecked start-up table: a share of what the requests have left
+            budget = EXPLORE_FIRST_SHARE * plain.seconds * min(candidates[i].remaining
+                                                               for i in due)
+        if self._explore_loss(best_spec, plain) > budget:
             return best
         for i in due:
             est[i].explore_after = min(2 * est[i].explore_after, EXPLORE_MAX)
@@ -232,10 +242,7 @@ class SpeculationPolicy:
 
     def _explore_loss(self, spec: Plan, plain: Plan) -> float:
         """Predicted seconds an exploration costs beyond plain decoding of its tokens: its
-        whole catch-up and the rest of its time. Nothing before any verify was measured:
-        the start-up table is what the first exploration checks (one per policy)."""
-        if not self.verify_factor:  # the table is unchecked: the first exploration is free
-            return 0.0
+        whole catch-up and the rest of its time."""
         steady = spec.seconds - spec.catch_up_s / spec.horizon
         return spec.catch_up_s + max(
             steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
@@ -341,8 +348,15 @@ class SpeculationPolicy:
         """The draft's factors: a catch-up forward (a prefill of what was missed) is off the
         table by other factors than a decode step, so a step with one teaches the catch-up
         factor (what is left after the steady forwards as predicted), one without the
-        steady factor."""
-        if plan.catch_up:
+        steady factor. One time cannot tell two factors apart: until a steady step was
+        measured, a step with a catch-up teaches both the same one (the first exploration
+        always reads the prompt; charged to the catch-up alone, it left a start-up table
+        8x too dear pricing every later draft step, and speculation never ran again)."""
+        if plan.catch_up and self.draft_factor.n == 0:
+            both = _factor(measured, plan.draft_s + plan.catch_up)
+            self.draft_factor.add(both)
+            self.catch_up_factor.add(both)
+        elif plan.catch_up:
             steady = self.draft_factor.value * plan.draft_s
             self.catch_up_factor.add(_factor(measured - steady, plan.catch_up))
         else:
