@@ -9,7 +9,9 @@
    for itself, float32), for the stack settings in --modes: the stack as it was ("before":
    deltas off, OpenMP threads that sleep after every operator), with deltas ("deltas"), and
    with today's defaults ("defaults": deltas, threads that spin briefly: docs/design.md,
-   "Threads on one host"); the median of the rounds' ratios and their range;
+   "Threads on one host"); the median of the rounds' ratios and their range, and where a
+   step's time went (forward passes, the services' other busy time, the hop to each service,
+   the orchestrator's part), from the stack's own per-step metrics;
 3. aggregate tokens/s at B=8 with and without overlap, proposer and scorer pinned to
    separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, --overlap-k), and
    whether both runs gave the same tokens.
