@@ -173,6 +173,9 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
 @click.option("--be-k", default=None, help="Fixed k for batch expansion [2,4,8; --quick: 4].")
 @click.option("--hf-k", default=None, help="HF assisted constant k [2,4,8; --quick: 4].")
 @click.option("--draft-vocab", default=32768, show_default=True)
+@click.option("--ngram-k-max", default=str(StackConfig.num_speculative_tokens), show_default=True,
+              help="The n-gram stack's --num-speculative-tokens (the most the policy picks), "
+                   "one server per value.")
 @click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
               help="tiny: random test models, to check this script in seconds.")
 @click.option("--parts", default="ref,hf,defaults,streams,pruned,fixed,ngram", show_default=True,
@@ -181,9 +184,10 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
                    "k=0; streams: 4 concurrent streams; pruned: defaults with the pruned draft "
                    "head; fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
                    "and at k=0.")
-def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab, parts,
-         pair) -> None:
+def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
+         ngram_k_max, parts, pair) -> None:
     parts = set(parts.split(","))
+    ngram_k_max = [int(x) for x in ngram_k_max.split(",")]
     per_class = 1 if quick else 2
     if max_tokens is None:
         max_tokens = 16 if quick else 32
@@ -277,9 +281,11 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                     outs, wall, chosen = stack_generate(s, prompts, max_tokens, 4, len(prompts))
                     add("stack fixed k=4, multi-query", outs, chosen, wall, streams=len(prompts))
         if "ngram" in parts:
-            with stack(draft_model="ngram") as s:
-                add_paired("stack n-gram defaults", "stack n-gram k=0",
-                           *paired(s, prompts, max_tokens, repeats, None, 0))
+            for k_max in ngram_k_max:
+                with stack(draft_model="ngram", num_speculative_tokens=k_max) as s:
+                    label = "" if k_max == StackConfig.num_speculative_tokens else f", k<={k_max}"
+                    add_paired(f"stack n-gram defaults{label}", f"stack n-gram k=0{label}",
+                               *paired(s, prompts, max_tokens, repeats, None, 0))
         report(console, rows, classes, dtype, isa, max_tokens, time.perf_counter() - t_start,
                pair)
 
@@ -314,6 +320,8 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> Non
         else:
             base = tps.get(("HF target-only", 1, cls))
         own_zero = OWN_ZERO.get(path.split(", draft head")[0])
+        if path.startswith("stack n-gram defaults"):  # the same server's k=0
+            own_zero = path.replace("defaults", "k=0")
         zero = tps.get((own_zero, streams, cls)) if own_zero else None
         draft = sum(r["draft"] for r in rs)
         acc = sum(r["accepted"] for r in rs) / draft if draft else None
@@ -321,7 +329,7 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> Non
         chosen_k = statistics.mean(chosen) if chosen else None
         equal = "-"
         ref_path = "HF target-only" if has_ref else own_zero or (
-            path if path in OWN_ZERO.values() else None)  # HF paths without ref: "-"
+            path if path.split(",")[0] in OWN_ZERO.values() else None)  # HF paths without ref: "-"
         ref_rows = groups.get((ref_path, 1, cls), [])
         if cls != "all" and ref_rows:
             # rows run prompt by prompt within a repeat: row i is prompt i % n
