@@ -208,12 +208,12 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
 
         def add(path, outs, chosen=float("nan"), wall=None, streams=1):
             # Each run is also printed and appended at once: a run cut short keeps its rows.
-            for (cls, _), o in zip(classes, outs):
-                row = {"path": path, "streams": streams, "class": cls, "tokens": o.tokens,
+            for j, ((cls, _), o) in enumerate(zip(classes, outs)):
+                row = {"path": path, "streams": streams, "class": cls, "prompt": j, "tokens": o.tokens,
                        "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
                        "chosen_k": o.chosen_k if streams == 1 else chosen,
                        "token_ids": o.token_ids}
-                line = {k: v for k, v in row.items() if k != "token_ids"}
+                line = {k: v for k, v in row.items() if k not in ("token_ids", "prompt")}
                 line["tokens_per_s"] = o.tokens / o.seconds
                 console.print(json.dumps(line), highlight=False)
                 with log.open("a") as f:
@@ -288,6 +288,42 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                                *paired(s, prompts, max_tokens, repeats, None, 0))
         report(console, rows, classes, dtype, isa, max_tokens, time.perf_counter() - t_start,
                pair)
+        differences(console, rows, prompts, target_dir, torch_dtype)
+
+
+def differences(console, rows, prompts, target_dir, torch_dtype) -> None:
+    """Where an output differs from the reference (HF target-only, else the stack's own
+    k=0), the target's logit gap between the two tokens at the first difference (one
+    forward over the prompt and the reference's tokens before it, same dtype): a gap
+    within the dtype's rounding is a near-tie, not a lost token."""
+    ref_path = "HF target-only" if any(r["path"] == "HF target-only" for r in rows) else "stack k=0"
+    refs = {}
+    for r in rows:
+        if r["path"] == ref_path and r.get("token_ids") is not None:
+            refs.setdefault(r["prompt"], r["token_ids"])
+    firsts = {}  # (prompt, index) -> [(path, token)]
+    for r in rows:
+        ref = refs.get(r.get("prompt"))
+        if ref is None or r["token_ids"] is None or r["token_ids"] == ref[:len(r["token_ids"])]:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), None)
+        if i is None:  # a shorter output (a stop token): no token differs
+            continue
+        firsts.setdefault((r["prompt"], i), []).append((r["path"], r["class"], r["token_ids"][i]))
+    if not firsts:
+        return
+    target = load_model(target_dir, CPU, torch_dtype)
+    for (j, i), seen in sorted(firsts.items()):
+        ref = refs[j]
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompts[j] + ref[:i]])).logits[0, -1].float()
+        for path, cls, token in sorted(set(seen)):
+            console.print(f"{cls} (prompt {j}), {path}: first differs at token {i}: reference "
+                          f"{ref[i]} (logit {logits[ref[i]]:.4f}) vs {token} (logit "
+                          f"{logits[token]:.4f}), gap {logits[ref[i]] - logits[token]:.4f}; "
+                          f"top logit {logits.max():.4f}", highlight=False)
+    del target
+    gc.collect()
 
 
 OWN_ZERO = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}
