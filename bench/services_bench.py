@@ -6,7 +6,9 @@
 2. the gRPC stack against the in-process engine at B=1 (--batch; draft-model speculation, k=4;
    the two run in alternation):
    `--pair qwen` (Qwen2.5-Coder 0.5B -> 1.5B, bf16) or `--pair smollm2` (SmolLM2 drafting
-   for itself, float32), for the stack settings in --modes: the stack as it was ("before":
+   for itself, float32) or `--pair random-qwen --device cuda` (issue 12's GPU setting: a
+   random Qwen2-1.5B-shaped model drafting for itself, bf16, 128-token prompts; both services
+   on the one GPU), for the stack settings in --modes: the stack as it was ("before":
    deltas off, OpenMP threads that sleep after every operator), with deltas ("deltas"), and
    with today's defaults ("defaults": deltas, threads that spin briefly: docs/design.md,
    "Threads on one host"); the median of the rounds' ratios and their range, and where a
@@ -16,7 +18,8 @@
    separate cores (`taskset`, one thread each; SmolLM2 drafting for itself, --overlap-k), and
    whether both runs gave the same tokens.
 
-    python bench/services_bench.py [--pair qwen|smollm2] [--sections bytes,b1,overlap]
+    python bench/services_bench.py [--pair qwen|smollm2|random-qwen|random-qwen-small]
+                                   [--device cpu|cuda] [--sections bytes,b1,overlap]
                                    [--repeats 3] [--batch 1] [--modes before,deltas,defaults]
                                    [--out bench/results/services.json]
 
@@ -44,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
-from engine_bench import CODE_PROMPTS, engine  # noqa: E402
+from engine_bench import CODE_PROMPTS  # noqa: E402
 from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
 from orchestrator.client import SpecDecodeClient  # noqa: E402
@@ -52,6 +55,7 @@ from orchestrator.engine import Request  # noqa: E402
 from specdecode.model_packages import fetch  # noqa: E402
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
+from specdecode_stack.inprocess import build_inprocess_engine  # noqa: E402
 from specdecode_stack.local import LocalStack, StackConfig  # noqa: E402
 
 SAMPLING = {"greedy": {}, "top-p 0.9": {"temperature": 1.0, "top_p": 0.9, "seed": 3}}
@@ -141,10 +145,11 @@ def run_stack(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
             "outputs": outputs}
 
 
-def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int) -> dict:
+def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int,
+                  device: str = "cpu") -> dict:
     """Tokens/s, step time and the share of it spent proposing and scoring (the columns a
     stack's services report as busy), where a step's time went (ms per step), outputs."""
-    eng = engine(target, draft, scoring, 4)
+    eng = build_inprocess_engine(target, draft, scoring, 4, torch.device(device))
     runners = {"proposer": eng.proposer.worker.runner, "scorer": eng.scorer.worker.runner}
     forward_s = {role: r.stats.forward_seconds for role, r in runners.items()}
     for i, p in enumerate(prompts):
@@ -209,8 +214,22 @@ def section_bytes(tmp: Path, repeats: int) -> list[dict]:
     return rows
 
 
-def load_pair(pair: str):
-    """(target dir, draft dir, dtype, scoring, prompts)."""
+RANDOM_PAIRS = {"random-qwen": "target", "random-qwen-small": "target-small"}  # gpu_bench shapes
+
+
+def load_pair(pair: str, tmp: Path):
+    """(target dir, draft dir, dtype, scoring, prompts). The random pairs are issue 12's GPU
+    setting: a random Qwen2-1.5B-shaped model drafting for itself (every proposal accepted),
+    bf16, 128-token prompts of random ids (no tokenizer); `-small` shrinks it for a CPU dry
+    run. They are saved to tmp, where the stack's services load them."""
+    if pair in RANDOM_PAIRS:
+        from gpu_bench import random_qwen2
+        target = tmp / pair
+        random_qwen2(RANDOM_PAIRS[pair], "cpu", torch.bfloat16, seed=1).save_pretrained(target)
+        vocab = 4096 if pair.endswith("small") else 151936
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (128,), generator=gen).tolist() for _ in range(8)]
+        return str(target), str(target), "bfloat16", "multi-query", prompts
     if pair == "qwen":
         target, draft = (str(resolve_model_dir(fetch(n)))
                          for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
@@ -231,33 +250,35 @@ B1_MODES = {  # --modes name -> (row label, the stack's extra environment)
 }
 
 
-def section_b1(pair: str, repeats: int, max_tokens: int, batch: int,
-               modes: list[str]) -> list[dict]:
+def section_b1(pair: str, repeats: int, max_tokens: int, batch: int, modes: list[str],
+               device: str, tmp: Path) -> list[dict]:
     """Each stack setting against the in-process engine. All the modes' stacks are up at once;
     each round runs every mode beside its own in-process run (in-process then stack in even
     rounds, stack then in-process in odd ones), so drift on a shared machine hits both sides
     of a ratio alike and every mode alike; a mode's ratio is the median of its rounds' ratios,
     reported with their range."""
-    target_dir, draft_dir, dtype, scoring, prompts = load_pair(pair)
+    target_dir, draft_dir, dtype, scoring, prompts = load_pair(pair, tmp)
     prompts = [prompts[i % len(prompts)] for i in range(batch)]
-    target = load_model(target_dir, torch.device("cpu"), getattr(torch, dtype))
-    draft = load_model(draft_dir, torch.device("cpu"), getattr(torch, dtype))
+    target = load_model(target_dir, torch.device(device), getattr(torch, dtype))
+    draft = load_model(draft_dir, torch.device(device), getattr(torch, dtype))
+    tokenizer = "none" if pair in RANDOM_PAIRS else None
     runs: dict[str, list[tuple[dict, dict]]] = {mode: [] for mode in modes}
     with contextlib.ExitStack() as stacks:
         up = {mode: stacks.enter_context(LocalStack(StackConfig(
-            target_model=target_dir, draft_model=draft_dir, device="cpu", dtype=dtype,
-            scoring=scoring, num_speculative_tokens=4, port=0, speculation="fixed",
+            target_model=target_dir, draft_model=draft_dir, device=device, dtype=dtype,
+            tokenizer=tokenizer, scoring=scoring, num_speculative_tokens=4, port=0,
+            speculation="fixed",
             extra_env=B1_MODES[mode][1]))) for mode in modes}
-        run_inprocess(target, draft, scoring, prompts, 4)  # warm-up: first forwards are slow
+        run_inprocess(target, draft, scoring, prompts, 4, device)  # warm-up: first forwards are slow
         for stack in up.values():
             run_stack(stack, prompts, 4)
         for i in range(repeats):
             for mode, stack in up.items():
                 if i % 2:
                     r = run_stack(stack, prompts, max_tokens)
-                    inproc = run_inprocess(target, draft, scoring, prompts, max_tokens)
+                    inproc = run_inprocess(target, draft, scoring, prompts, max_tokens, device)
                 else:
-                    inproc = run_inprocess(target, draft, scoring, prompts, max_tokens)
+                    inproc = run_inprocess(target, draft, scoring, prompts, max_tokens, device)
                     r = run_stack(stack, prompts, max_tokens)
                 runs[mode].append((inproc, r))
                 print(f"round {i + 1} {mode}: stack {r['tokens_per_s']:.2f} / in-process "
@@ -281,7 +302,7 @@ def section_b1(pair: str, repeats: int, max_tokens: int, batch: int,
 
 
 def section_overlap(repeats: int, max_tokens: int, k: int) -> list[dict]:
-    target_dir, _, _, _, prompts = load_pair("smollm2")
+    target_dir, _, _, _, prompts = load_pair("smollm2", Path())
     prompts = [prompts[i % len(prompts)] for i in range(8)]
     rows = []
     for overlap in (False, True):
@@ -361,8 +382,13 @@ def print_tables(console: Console, rows: list[dict]) -> None:
 
 
 @click.command()
-@click.option("--pair", default="qwen", type=click.Choice(["qwen", "smollm2"]),
-              show_default=True, help="Draft/target pair for the B=1 comparison.")
+@click.option("--pair", default="qwen",
+              type=click.Choice(["qwen", "smollm2", *RANDOM_PAIRS]), show_default=True,
+              help="Draft/target pair for the B=1 comparison (random-qwen: issue 12's GPU "
+                   "setting, a random Qwen2-1.5B-shaped model drafting for itself).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the B=1 section's in-process engine and services run (cuda: both "
+                   "services on the one GPU).")
 @click.option("--sections", default="bytes,b1,overlap", show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
@@ -376,8 +402,8 @@ def print_tables(console: Console, rows: list[dict]) -> None:
               help="Speculative tokens per step in the overlap section (1: proposer and scorer "
                    "do one forward pass each per group; docs/benchmarks.md has k=2 too).")
 @click.option("--out", default="bench/results/services.json", show_default=True)
-def main(pair: str, sections: str, repeats: int, max_tokens: int, batch: int, modes: str,
-         overlap_k: int, out: str) -> None:
+def main(pair: str, device: str, sections: str, repeats: int, max_tokens: int, batch: int,
+         modes: str, overlap_k: int, out: str) -> None:
     unknown = set(modes.split(",")) - set(B1_MODES)
     if unknown:
         raise click.BadParameter(f"unknown mode(s) {sorted(unknown)}", param_hint="--modes")
@@ -388,7 +414,8 @@ def main(pair: str, sections: str, repeats: int, max_tokens: int, batch: int, mo
             if section == "bytes":
                 new = section_bytes(Path(tmp), repeats)
             elif section == "b1":
-                new = section_b1(pair, repeats, max_tokens, batch, modes.split(","))
+                new = section_b1(pair, repeats, max_tokens, batch, modes.split(","), device,
+                                 Path(tmp))
             elif section == "overlap":
                 new = section_overlap(repeats, max_tokens, overlap_k)
             else:
