@@ -7,10 +7,12 @@ import urllib.request
 
 import pytest
 import torch
+from scipy import stats
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.engine import Request, SpecDecodeEngine
 from specdecode.model_runner import ModelRunner
+from specdecode.sampling import truncated_probs
 from specdecode.sequence import SamplingParams
 from specdecode.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
@@ -51,6 +53,36 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
+
+
+@torch.inference_mode()
+def target_pair_probs(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """The target's exact joint p(t1) p(t2 | t1) of a request's first two tokens, under the
+    request's truncation (full recomputation: no cache, no batching)."""
+    def dist(tokens):
+        return truncated_probs(model(torch.tensor([tokens])).logits[0, -1:], params)[0]
+    p1, joint = dist(prompt), {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def chi_square_pvalue(draws: list[tuple], expected: dict[tuple, float]) -> float:
+    """Chi-square of the draws against `expected` (probabilities): cells expecting >= 5
+    draws (the test's validity condition), the rest pooled into one cell. Callers assert
+    p > 1e-3 with fixed seeds: a correct sampler fails 1 seed set in 1000; one that drops
+    truncation or mixes in the draft's q fails outright."""
+    n = len(draws)
+    big = [c for c, p in expected.items() if p * n >= 5]
+    observed = [sum(d == c for d in draws) for c in big]
+    exp = [expected[c] * n for c in big]
+    observed.append(n - sum(observed))
+    exp.append(n - sum(exp))
+    if exp[-1] < 1e-9:  # nothing pooled
+        observed, exp = observed[:-1], exp[:-1]
+    return stats.chisquare(observed, exp).pvalue
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.engine import Request
@@ -16,11 +15,11 @@ from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import ModelRunner
-from specdecode.sampling import truncated_probs
 from specdecode.sequence import InvalidRequestError, SamplingParams
 from specdecode.wire import model_info_from_proto, model_info_to_proto
 from specdecode_stack.inprocess import build_inprocess_engine
-from tests.conftest import CPU, TARGET, greedy_request, reference_greedy
+from tests.conftest import (CPU, TARGET, chi_square_pvalue, greedy_request, reference_greedy,
+                            target_pair_probs)
 
 ROWS, TOKENS = [1, 4], [1, 2, 3, 5, 9]
 
@@ -437,22 +436,9 @@ def test_sampling_follows_the_target_with_adaptive_k_and_pruned_head(target_mode
     pairs = [tuple(done[str(i)].output_token_ids) for i in range(n)]
     assert sum(s.stats.draft_tokens for s in done.values()) > 0  # speculative second tokens
 
-    @torch.inference_mode()
-    def dist(tokens):
-        return truncated_probs(target_model(torch.tensor([tokens])).logits[0, -1:],
-                               SamplingParams(**params))[0]
-    p1, expected = dist(prompt), {}
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist(prompt + [t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            expected[(t1, t2)] = float(p1[t1] * p2[t2]) * n
+    expected = target_pair_probs(target_model, prompt, SamplingParams(**params))
     assert all(pair in expected for pair in pairs)
-    big = [c for c, e in expected.items() if e >= 5]
-    observed = [sum(p == c for p in pairs) for c in big]
-    exp = [expected[c] for c in big]
-    observed.append(n - sum(observed))
-    exp.append(n - sum(exp))
-    assert stats.chisquare(observed, exp).pvalue > 1e-3
+    assert chi_square_pvalue(pairs, expected) > 1e-3
 
 
 def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_model,

@@ -4,21 +4,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from scipy import stats
 
 from orchestrator.engine import Request
-from specdecode.sampling import truncated_probs
 from specdecode.sequence import SamplingParams
-from tests.conftest import make_engine
+from tests.conftest import chi_square_pvalue, make_engine, target_pair_probs
 
 PROMPT = [5, 17, 99, 3, 42]
 PARAMS = dict(temperature=1.0, top_k=6, top_p=0.95)
-
-
-@torch.inference_mode()
-def target_dist(model, tokens) -> torch.Tensor:
-    return truncated_probs(model(torch.tensor([tokens])).logits[0, -1:], SamplingParams(**PARAMS))[0]
 
 
 def sampled_pairs(engine, n: int) -> tuple[list[tuple[int, int]], int]:
@@ -38,23 +30,9 @@ def test_emitted_tokens_follow_the_target_distribution(target_model, draft_model
     pairs, draft_tokens = sampled_pairs(engine, n)
     if proposer != "ngram":
         assert draft_tokens > 0  # the second token went through rejection sampling
-    # Exact joint p(t1) p(t2 | t1) under the same truncation.
-    p1 = target_dist(target_model, PROMPT)
-    expected = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = target_dist(target_model, PROMPT + [t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            expected[(t1, t2)] = float(p1[t1] * p2[t2]) * n
+    expected = target_pair_probs(target_model, PROMPT, SamplingParams(**PARAMS))
     assert all(pair in expected for pair in pairs), "a token outside the truncated support"
-    # Chi-square over cells expecting >= 5 draws (the test's validity condition), the rest
-    # pooled. alpha = 1e-3 with a fixed seed set: a correct sampler fails this 1 in 1000
-    # seed sets; a sampler that drops truncation or mixes in q fails it outright.
-    big = [c for c, e in expected.items() if e >= 5]
-    observed = [sum(p == c for p in pairs) for c in big]
-    exp = [expected[c] for c in big]
-    observed.append(n - sum(observed))
-    exp.append(n - sum(exp))
-    assert stats.chisquare(observed, exp).pvalue > 1e-3
+    assert chi_square_pvalue(pairs, expected) > 1e-3
 
 
 def test_seeded_request_is_reproducible_across_batches_and_scorers(target_model, draft_model):

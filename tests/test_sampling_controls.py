@@ -13,11 +13,10 @@ import math
 
 import pytest
 import torch
-from scipy import stats
 
 from orchestrator.engine import Request
 from specdecode.sequence import SamplingParams
-from tests.conftest import make_engine
+from tests.conftest import chi_square_pvalue, make_engine
 
 PROMPT = [203, 41, 11, 140, 231, 59, 203, 41]  # found to repeat under top-k 3: penalties bite
 
@@ -84,20 +83,6 @@ def reference_greedy(model, prompt: list[int], params: SamplingParams, n: int) -
         probs = reference_probs(model, prompt, output, params)
         output.append(probs.index(1.0))
     return output
-
-
-def chi_square_pvalue(draws: list[tuple], expected: dict[tuple, float]) -> float:
-    """Chi-square of the draws against `expected` (probabilities): cells expecting >= 5
-    draws (the test's validity condition), the rest pooled into one cell."""
-    n = len(draws)
-    big = [c for c, p in expected.items() if p * n >= 5]
-    observed = [sum(d == c for d in draws) for c in big]
-    exp = [expected[c] * n for c in big]
-    observed.append(n - sum(observed))
-    exp.append(n - sum(exp))
-    if exp[-1] < 1e-9:  # nothing pooled
-        observed, exp = observed[:-1], exp[:-1]
-    return stats.chisquare(observed, exp).pvalue
 
 
 # -- the tests ---------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
 from orchestrator.client import SpecDecodeClient
 from orchestrator.delta import DeltaEncoder
 from specdecode_stack.local import LocalStack, StackConfig
