@@ -23,7 +23,7 @@
                                    [--repeats 3] [--batch 1] [--modes before,deltas,defaults]
                                    [--out bench/results/services.json]
 
-Run it alone on a shared machine (here: under `/work/coord/b`). Numbers are medians over
+Run it alone on a shared machine (nothing else busy on its cores). Numbers are medians over
 --repeats; ratios compare runs made side by side in this one process.
 """
 
