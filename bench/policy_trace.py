@@ -73,10 +73,10 @@ def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
         seen = {}
         explore = policy._maybe_explore
 
-        def recording(best, best_spec, plain, est):
+        def recording(best, best_spec, plain, est, *rest):
             seen.update(best_spec=best_spec, plain=plain,
                         caps=[a.trusted_k() for a in est])
-            return explore(best, best_spec, plain, est)
+            return explore(best, best_spec, plain, est, *rest)
         policy._maybe_explore = recording
         engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
                                   max_model_len=min(p_info.max_model_len, s_info.max_model_len),
