@@ -95,18 +95,25 @@ def test_chunked_output_equals_target_in_process(long_models, scoring):
     assert engine.steps > 1500 // 128  # the long prompt really went in chunks
 
 
+STALL_BOUND = 5  # largest gap / median gap: above the 4x a 1,024-token forward may cost,
+#                 below the ~10x of an unchunked prompt (see the test's docstring)
+
+
 def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
     """A 4,000-token prompt joins beside a running stream (budget 256 tokens per step):
-    the running stream's largest gap stays under 3x its median, both outputs are exact.
+    the running stream's largest gap stays under 5x its median, both outputs are exact.
 
     The stream is measured from 30 tokens before the join until 10 tokens after the long
     request finished (then it is cancelled), so its median covers the join and the stream
-    alone. Noise: a decode step of the tiny models is ~3 ms, about one scheduler time
-    slice, so on a shared machine other processes alone can stretch one gap past 3x. A
-    stall from the prefill (an unchunked prompt: ~10x; the ~1.05 s proposer timeout a chunk
-    used to hit under load: ~300x) is systematic and shows in every attempt, the machine's
-    noise does not: the join is tried up to 5 times, each with a new prompt, and the bound
-    must hold in one; exact outputs and the forward-size bound hold in all."""
+    alone. The median gap is a step with a ~256-token chunk; a forward may compute up to
+    4x that (the structural bound below: 1,024 tokens), so a largest gap of ~3-4x the median
+    is by design (measured on a quiet 2-core machine, attempts after the first: 1.9-3.6x;
+    the bound used to be 3x and failed CI 1 run in 2). Noise: a decode step of the tiny
+    models is ~3 ms, about one scheduler time slice, so other processes alone can stretch one
+    gap further. A stall from the prefill (an unchunked prompt: ~10x; the ~1.05 s proposer
+    timeout a chunk used to hit under load: ~300x) is systematic and shows in every attempt,
+    the machine's noise does not: the join is tried up to 5 times, each with a new prompt, and
+    the bound must hold in one; exact outputs and the forward-size bound hold in all."""
     target, _, dirs = long_models
     short = [5, 17, 99, 3]
     n_long = 8
@@ -131,7 +138,7 @@ def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
                   f"({alone * 1e3:.1f} ms alone), largest {worst * 1e3:.1f} ms "
                   f"({ratios[-1]:.2f}x the median, {worst / alone:.2f}x alone); the long "
                   f"prompt took {joined.seconds:.2f} s")
-            if ratios[-1] < 3:
+            if ratios[-1] < STALL_BOUND:
                 break
         largest = {role: largest_forward(stack, role) for role in ("proposer", "scorer")}
     # The structural property, free of timing noise: no forward pass on either service
@@ -140,7 +147,7 @@ def test_long_prompt_joins_without_stalling_a_running_stream(long_models):
     assert max(largest.values()) <= 1024, largest
     expected = reference_greedy(target, short, max(map(len, streamed)))
     assert all(tokens == expected[:len(tokens)] for tokens in streamed)
-    assert min(ratios) < 3, ratios
+    assert min(ratios) < STALL_BOUND, ratios
 
 
 def largest_forward(stack: LocalStack, role: str) -> float:
