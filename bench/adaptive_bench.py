@@ -11,11 +11,21 @@ through the same stack), at fixed k for both scorers, with the pruned draft head
 n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "4 streams" runs the
 four classes concurrently. Columns: tokens/s (batch 1: the median over prompts and repeats),
 ratio to HF target-only (same prompts), acceptance, mean chosen k per sequence-step
-(orchestrator metric specdecode_chosen_k), and tokens equal to HF target-only (without the
-`ref` part: to the stack's own k=0 output). `--quick` uses one prompt per class and short
+(orchestrator metric specdecode_chosen_k), and tokens equal to the reference (below).
+`--quick` uses one prompt per class and short
 generations so that the whole matrix fits in minutes on 2 cores. `--repeats N` runs each
 prompt N times per path; a path and its own k=0 alternate (A B, B A, ...) so that drift on a
 shared machine falls on both. JSON: bench/results/adaptive_<pair>_<dtype>_<isa>.json
+
+Every path generates the same number of tokens, so tokens/s compare like with like: HF is
+held to --max-tokens by `min_new_tokens`, and the stack (no tokenizer) has no end-of-sequence
+rule. Equality therefore has two references. The stack's outputs are compared with the
+target's greedy output up to and including its first end-of-sequence token ("to EOS": past
+it HF is forced off the greedy path and the stack is not; a chat answer ends there: Q&A's
+`<|im_end|>` at token 16); the greedy path is read from HF target-only's own logits before
+`min_new_tokens` masks the end token. HF assisted paths, forced the same way, are compared
+with HF target-only's whole output. "equal to own k=0" compares a stack path with its own
+k=0 path's whole output, past any end token too.
 """
 
 from __future__ import annotations
@@ -84,16 +94,39 @@ class Outcome:
     draft: int = 0
     accepted: int = 0
     chosen_k: float = math.nan  # mean k per sequence-step (stack, batch 1)
+    # HF target-only: the target's greedy output up to and including its first end token
+    # (the whole output when it has none)
+    greedy_to_eos: list[int] | None = None
 
 
-def hf_generate(target, ids: list[int], max_tokens: int, **kw) -> Outcome:
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def greedy_to_eos(new: list[int], raw_logits, eos: set[int]) -> list[int]:
+    """The greedy output up to and including its first end token, from a forced run's
+    tokens and the logits each was chosen from before the logits processors (new[i] is
+    argmax(raw_logits[i]) unless `min_new_tokens` masked an end token there)."""
+    for i, logits in enumerate(raw_logits):
+        top = int(logits[0].argmax())
+        if top in eos:
+            return new[:i] + [top]
+    return new
+
+
+def hf_generate(target, ids: list[int], max_tokens: int, reference: bool = False, **kw) -> Outcome:
+    """max_tokens tokens (min_new_tokens holds generation past an end token, so every path
+    times the same count); reference: also read the greedy output to its first end token."""
     start = time.perf_counter()
     with torch.inference_mode():
         out = target.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              do_sample=False, pad_token_id=0, **kw)
+                              do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                              output_logits=reference, **kw)
     seconds = time.perf_counter() - start
-    new = out[0, len(ids):].tolist()
-    return Outcome(len(new), seconds, new)
+    new = out.sequences[0, len(ids):].tolist()
+    return Outcome(len(new), seconds, new,
+                   greedy_to_eos=greedy_to_eos(new, out.logits, eos_ids(target)) if reference else None)
 
 
 def scrape(port: int) -> tuple[float, float]:
@@ -151,9 +184,17 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
     if pair == "tiny":
         tmp = Path(tempfile.mkdtemp())
         target_dir, draft_dir = tmp / "target", tmp / "draft"
-        build_tiny_model(TinyModelSpec(seed=1)).save_pretrained(target_dir)
+        encode = lambda text: [b % 256 for b in text.encode()][-48:]  # noqa: E731
+        target = build_tiny_model(TinyModelSpec(seed=1))
+        # An end token that the Q&A prompt's greedy output reaches within 4 tokens, as the
+        # real pair's chat answer reaches <|im_end|>: the equality to EOS is exercised.
+        with torch.inference_mode():
+            out = target.generate(torch.tensor([encode(PROMPTS["qa"][0])]), max_new_tokens=4,
+                                  do_sample=False, pad_token_id=0)
+        target.generation_config.eos_token_id = int(out[0, -1])
+        target.save_pretrained(target_dir)
         build_tiny_model(TinyModelSpec(seed=2, num_layers=1)).save_pretrained(draft_dir)
-        return target_dir, draft_dir, lambda text: [b % 256 for b in text.encode()][-48:]
+        return target_dir, draft_dir, encode
     draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
     target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
     tokenizer = load_tokenizer(target_dir)
@@ -176,6 +217,8 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
 @click.option("--ngram-k-max", default=str(StackConfig.num_speculative_tokens), show_default=True,
               help="The n-gram stack's --num-speculative-tokens (the most the policy picks), "
                    "one server per value.")
+@click.option("--results", default="bench/results", show_default=True, type=click.Path(path_type=Path),
+              help="Where the JSON (and the JSON lines of each run) go.")
 @click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
               help="tiny: random test models, to check this script in seconds.")
 @click.option("--parts", default="ref,hf,defaults,streams,pruned,fixed,ngram", show_default=True,
@@ -185,7 +228,7 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
                    "head; fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
                    "and at k=0.")
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
-         ngram_k_max, parts, pair) -> None:
+         ngram_k_max, parts, results, pair) -> None:
     parts = set(parts.split(","))
     ngram_k_max = [int(x) for x in ngram_k_max.split(",")]
     per_class = 1 if quick else 2
@@ -203,7 +246,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         rows = []  # one per (path, streams, class, run)
         t_start = time.perf_counter()
 
-        log = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.jsonl")
+        log = results / f"adaptive_{pair}_{dtype}_{isa}.jsonl"
         log.parent.mkdir(parents=True, exist_ok=True)
 
         def add(path, outs, chosen=float("nan"), wall=None, streams=1):
@@ -212,8 +255,9 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                 row = {"path": path, "streams": streams, "class": cls, "prompt": j, "tokens": o.tokens,
                        "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
                        "chosen_k": o.chosen_k if streams == 1 else chosen,
-                       "token_ids": o.token_ids}
-                line = {k: v for k, v in row.items() if k not in ("token_ids", "prompt")}
+                       "token_ids": o.token_ids, "greedy_to_eos": o.greedy_to_eos}
+                line = {k: v for k, v in row.items()
+                        if k not in ("token_ids", "prompt", "greedy_to_eos")}
                 line["tokens_per_s"] = o.tokens / o.seconds
                 console.print(json.dumps(line), highlight=False)
                 with log.open("a") as f:
@@ -234,7 +278,8 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         if parts & {"ref", "hf"}:
             target = load_model(target_dir, CPU, torch_dtype)
             if "ref" in parts:
-                add("HF target-only", [hf_generate(target, ids, max_tokens) for ids in prompts])
+                add("HF target-only", [hf_generate(target, ids, max_tokens, reference=True)
+                                       for ids in prompts])
             if "hf" in parts:
                 draft = load_model(draft_dir, CPU, torch_dtype)
                 add("HF assisted, defaults", [hf_generate(target, ids, max_tokens,
@@ -287,36 +332,84 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                     add_paired(f"stack n-gram defaults{label}", f"stack n-gram k=0{label}",
                                *paired(s, prompts, max_tokens, repeats, None, 0))
         report(console, rows, classes, dtype, isa, max_tokens, time.perf_counter() - t_start,
-               pair)
+               pair, results)
         differences(console, rows, prompts, target_dir, torch_dtype)
 
 
+OWN_ZERO = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}
+
+
+def own_zero_of(path: str) -> str | None:
+    """The k=0 path a stack path is compared with (the same server's)."""
+    if path.startswith("stack n-gram defaults"):
+        return path.replace("defaults", "k=0")
+    return OWN_ZERO.get(path.split(", draft head")[0])
+
+
+def first_rows(rows, path: str) -> list[dict]:
+    """`path`'s first batch-1 run of each prompt."""
+    firsts = {}
+    for r in rows:
+        if r["path"] == path and r["streams"] == 1 and r.get("token_ids") is not None:
+            firsts.setdefault(r["prompt"], r)
+    return list(firsts.values())
+
+
+def first_outputs(rows, path: str) -> dict[int, list[int]]:
+    """prompt -> the whole output of `path`'s first batch-1 run of it."""
+    return {r["prompt"]: r["token_ids"] for r in first_rows(rows, path)}
+
+
+def reference(rows, path: str) -> tuple[dict[int, list[int]], str]:
+    """(prompt -> reference tokens, what they are) for a path's equality column: with HF
+    target-only in the run, HF paths against its whole (forced) output and stack paths
+    against the target's greedy output to its first end token; without it, the stack's own
+    k=0 output (a k=0 path against itself; HF paths against nothing)."""
+    if any(r["path"] == "HF target-only" for r in rows):
+        if path.startswith("HF"):
+            return first_outputs(rows, "HF target-only"), "HF target-only"
+        return ({r["prompt"]: r["greedy_to_eos"] for r in first_rows(rows, "HF target-only")},
+                "greedy to EOS")
+    zero = own_zero_of(path) or (path if path.split(",")[0] in OWN_ZERO.values() else None)
+    return (first_outputs(rows, zero) if zero else {}), "own k=0"
+
+
+def equal_tokens(rs, refs: dict[int, list[int]]) -> tuple[int, int, bool] | None:
+    """(tokens equal to the reference at the same position, tokens compared, whether any
+    reference ended at an end token before its output did) over runs with a reference."""
+    pairs = [(r["token_ids"], refs[r["prompt"]]) for r in rs
+             if r.get("token_ids") is not None and r["prompt"] in refs]
+    if not pairs:
+        return None
+    return (sum(a == b for ids, ref in pairs for a, b in zip(ids, ref)),
+            sum(len(ref) for _, ref in pairs), any(len(ref) < len(ids) for ids, ref in pairs))
+
+
 def differences(console, rows, prompts, target_dir, torch_dtype) -> None:
-    """Where an output differs from the reference (HF target-only, else the stack's own
-    k=0), the target's logit gap between the two tokens at the first difference (one
-    forward over the prompt and the reference's tokens before it, same dtype): a gap
-    within the dtype's rounding is a near-tie, not a lost token."""
-    ref_path = "HF target-only" if any(r["path"] == "HF target-only" for r in rows) else "stack k=0"
-    refs = {}
+    """Where an output differs from its reference (see `reference`), the target's logit gap
+    between the two tokens at the first difference (one forward over the prompt and the
+    reference's tokens before it, same dtype): a gap within the dtype's rounding is a
+    near-tie, not a lost token."""
+    firsts = {}  # (prompt, index, reference to it) -> [(path, class, token there)]
+    refs_of = {}
     for r in rows:
-        if r["path"] == ref_path and r.get("token_ids") is not None:
-            refs.setdefault(r["prompt"], r["token_ids"])
-    firsts = {}  # (prompt, index) -> [(path, token)]
-    for r in rows:
-        ref = refs.get(r.get("prompt"))
-        if ref is None or r["token_ids"] is None or r["token_ids"] == ref[:len(r["token_ids"])]:
+        if r.get("token_ids") is None:
+            continue
+        refs = refs_of.setdefault(r["path"], reference(rows, r["path"])[0])
+        ref = refs.get(r["prompt"])
+        if ref is None:
             continue
         i = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), None)
-        if i is None:  # a shorter output (a stop token): no token differs
+        if i is None:  # equal as far as both go (a stop token, or a reference ending at EOS)
             continue
-        firsts.setdefault((r["prompt"], i), []).append((r["path"], r["class"], r["token_ids"][i]))
+        firsts.setdefault((r["prompt"], i, tuple(ref[:i + 1])), []).append(
+            (r["path"], r["class"], r["token_ids"][i]))
     if not firsts:
         return
     target = load_model(target_dir, CPU, torch_dtype)
-    for (j, i), seen in sorted(firsts.items()):
-        ref = refs[j]
+    for (j, i, ref), seen in sorted(firsts.items()):
         with torch.inference_mode():
-            logits = target(torch.tensor([prompts[j] + ref[:i]])).logits[0, -1].float()
+            logits = target(torch.tensor([prompts[j] + list(ref[:i])])).logits[0, -1].float()
         for path, cls, token in sorted(set(seen)):
             console.print(f"{cls} (prompt {j}), {path}: first differs at token {i}: reference "
                           f"{ref[i]} (logit {logits[ref[i]]:.4f}) vs {token} (logit "
@@ -326,18 +419,16 @@ def differences(console, rows, prompts, target_dir, torch_dtype) -> None:
     gc.collect()
 
 
-OWN_ZERO = {"stack defaults": "stack k=0", "stack n-gram defaults": "stack n-gram k=0"}
-
-
-def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> None:
+def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair, results) -> None:
     """One line per (path, streams, class): batch 1 the median tokens/s of its runs, 4
-    streams all tokens over the wall time; equality to HF target-only's first run of the
-    same prompt (without it, to the stack's own k=0 path)."""
+    streams all tokens over the wall time; equality to the reference (see `reference`;
+    4 streams: each stream's output against its prompt's) and to the own k=0 path."""
     name = "Qwen2.5-Coder 0.5B -> 1.5B" if pair == "qwen" else "tiny random models"
     table = Table(title=f"{name}, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
                         f"{max_tokens} tokens/prompt, greedy; {seconds / 60:.1f} min")
     for col in ("path", "streams", "class", "runs", "tokens/s", "vs HF target-only",
-                "vs own k=0", "acceptance", "chosen k", "equal to reference"):
+                "vs own k=0", "acceptance", "chosen k", "equal to reference",
+                "equal to stack k=0"):
         table.add_column(col)
     groups: dict[tuple, list] = {}
     for r in rows:
@@ -353,43 +444,55 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair) -> Non
         if cls == "all":  # 4 streams: HF target-only's tokens over its seconds, one at a time
             ref = [r for r in rows if r["path"] == "HF target-only"]
             base = sum(r["tokens"] for r in ref) / sum(r["seconds"] for r in ref) if ref else None
+            runs = [r for r in rows if r["path"] == path and r["streams"] == streams
+                    and r["class"] != "all"]  # each stream's own output
         else:
             base = tps.get(("HF target-only", 1, cls))
-        own_zero = OWN_ZERO.get(path.split(", draft head")[0])
-        if path.startswith("stack n-gram defaults"):  # the same server's k=0
-            own_zero = path.replace("defaults", "k=0")
+            runs = rs
+        own_zero = own_zero_of(path)
         zero = tps.get((own_zero, streams, cls)) if own_zero else None
         draft = sum(r["draft"] for r in rs)
         acc = sum(r["accepted"] for r in rs) / draft if draft else None
         chosen = [r["chosen_k"] for r in rs if r["chosen_k"] == r["chosen_k"]]
         chosen_k = statistics.mean(chosen) if chosen else None
-        equal = "-"
-        ref_path = "HF target-only" if has_ref else own_zero or (
-            path if path.split(",")[0] in OWN_ZERO.values() else None)  # HF paths without ref: "-"
-        ref_rows = groups.get((ref_path, 1, cls), [])
-        if cls != "all" and ref_rows:
-            # rows run prompt by prompt within a repeat: row i is prompt i % n
-            n = sum(1 for c, _ in classes if c == cls)
-            pairs = [(r["token_ids"], ref_rows[i % n]["token_ids"]) for i, r in enumerate(rs)]
-            same = sum(a == b for ids, ref in pairs for a, b in zip(ids, ref))
-            total = sum(len(ref) for _, ref in pairs)
-            equal = f"{same}/{total}" + ("" if has_ref else " (own k=0)")
+        refs, what = reference(rows, path)
+        eq = equal_tokens(runs, refs)
+        # past any end token: every stack path against the stack's k=0 (the n-gram's own)
+        zero_path = own_zero or ("stack k=0" if path.startswith("stack") else None)
+        eq_zero = (equal_tokens(runs, first_outputs(rows, zero_path))
+                   if has_ref and zero_path not in (None, path) else None)
+        equal = "-" if eq is None else f"{eq[0]}/{eq[1]}" + (" to EOS" if eq[2] else "") + (
+            " (own k=0)" if what == "own k=0" else "")
         row = {"path": path, "streams": streams, "class": cls, "runs": len(rs),
                "tokens_per_s": tps[(path, streams, cls)],
                "vs_hf_target_only": tps[(path, streams, cls)] / base if base else None,
                "acceptance": acc, "vs_own_k0": tps[(path, streams, cls)] / zero if zero else None,
-               "chosen_k": chosen_k, "equal": equal}
+               "chosen_k": chosen_k, "equal": equal, "reference": what,
+               "equal_tokens": eq and eq[0], "compared_tokens": eq and eq[1],
+               "reference_ends_at_eos": eq and eq[2],
+               "equal_own_k0": None if eq_zero is None else f"{eq_zero[0]}/{eq_zero[1]}"}
         out.append(row)
         table.add_row(path, str(streams), cls, str(len(rs)), f"{row['tokens_per_s']:.2f}",
                       "-" if base is None else f"{row['vs_hf_target_only']:.2f}x",
                       "-" if zero is None else f"{row['vs_own_k0']:.2f}x",
                       "-" if acc is None else f"{acc:.2f}",
-                      "-" if chosen_k is None else f"{chosen_k:.2f}", equal)
+                      "-" if chosen_k is None else f"{chosen_k:.2f}", equal,
+                      row["equal_own_k0"] or "-")
     console.print(table)
-    path = Path(f"bench/results/adaptive_{pair}_{dtype}_{isa}.json")
+    one = {c for c, _ in classes if sum(c == d for d, _ in classes) == 1}
+    ends = {r["class"] if r["class"] in one else f"{r['class']} #{r['prompt']}": len(r["greedy_to_eos"])
+            for r in first_rows(rows, "HF target-only")
+            if r["greedy_to_eos"] is not None and len(r["greedy_to_eos"]) < r["tokens"]}
+    if ends:
+        console.print("The target's greedy output ends (end token included) at token "
+                      + ", ".join(f"{n} ({c})" for c, n in ends.items())
+                      + "; stack outputs are compared up to there, HF's (held past it by "
+                      "min_new_tokens) with HF target-only's.", highlight=False)
+    path = results / f"adaptive_{pair}_{dtype}_{isa}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"dtype": dtype, "isa": isa, "max_tokens": max_tokens,
-                                "minutes": seconds / 60, "rows": out}, indent=2))
+                                "minutes": seconds / 60, "greedy_ends": ends, "rows": out},
+                               indent=2))
 
 
 if __name__ == "__main__":
