@@ -274,15 +274,15 @@ def main(pair, dtype, classes, width_spec, repeats, vocab, max_tokens, tokens, a
         target = load_model(target_dir, CPU, torch_dtype)
         draft = load_model(draft_dir, CPU, torch_dtype)
         measured = {}
+        gc = draft.generation_config
+        defaults = gc.num_assistant_tokens, gc.num_assistant_tokens_schedule
         for c, ids in prompts.items():
             runs = {"target-only": hf_generate(target, ids, max_tokens),
                     "assisted defaults": hf_generate(target, ids, max_tokens, assistant_model=draft)}
             for k in [int(x) for x in hf_k.split(",") if x]:
-                draft.generation_config.num_assistant_tokens = k
-                draft.generation_config.num_assistant_tokens_schedule = "constant"
+                gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = k, "constant"
                 runs[f"assisted k={k}"] = hf_generate(target, ids, max_tokens, assistant_model=draft)
-            draft.generation_config.num_assistant_tokens = 20  # back to HF's defaults
-            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = defaults
             measured[c] = {name: o.tokens / o.seconds for name, o in runs.items()}
             console.print(f"HF {c}: " + ", ".join(f"{n} {v:.2f}" for n, v in measured[c].items())
                           + " tokens/s", highlight=False)
