@@ -406,7 +406,8 @@ def report(console, res, classes, alphas, ns, max_tokens, goal) -> None:
         console.print(f"HF assisted best measured, {c}: {v:.2f} tokens/s ({n}); {goal}x = "
                       f"{goal * v:.2f}", highlight=False)
         for e in ceilings:
-            if e["class"] == c and "draft_step_for_goal" in e and e["path"].startswith("stack"):
+            if (e["class"] == c and "draft_step_for_goal" in e and e["path"].startswith("stack")
+                    and "free" not in e["path"]):
                 need = e["draft_step_for_goal"]
                 console.print(f"  {e['path']}, acceptance {e['alpha']}: reaches "
                               f"{e['at_n']['tokens_per_s']:.2f} (k={e['at_n']['k']}); {goal}x "
