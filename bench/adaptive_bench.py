@@ -165,17 +165,13 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
 
 
 def paired(stack: LocalStack, prompts: list[list[int]], max_tokens: int, repeats: int,
-           a: int | None, b: int | None) -> tuple[list[list[Outcome]], list[list[Outcome]]]:
+           a: int | None, b: int | None, record: Callable[[int | None, int, Outcome], None]) -> None:
     """Each prompt `repeats` times at k=a and at k=b, alternating which goes first (A B, B A,
-    ...), prompt by prompt: ([repeat][prompt] outcomes at a, the same at b)."""
-    outs_a = [[] for _ in range(repeats)]
-    outs_b = [[] for _ in range(repeats)]
-    for p in prompts:
+    ...), prompt by prompt; record(k, prompt index, outcome) after each run."""
+    for j, p in enumerate(prompts):
         for r in range(repeats):
-            order = ((a, outs_a), (b, outs_b)) if r % 2 == 0 else ((b, outs_b), (a, outs_a))
-            for k, outs in order:
-                outs[r] += stack_generate(stack, [p], max_tokens, k, 1)[0]
-    return outs_a, outs_b
+            for k in ((a, b) if r % 2 == 0 else (b, a)):
+                record(k, j, stack_generate(stack, [p], max_tokens, k, 1)[0][0])
 
 
 def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
@@ -249,9 +245,10 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         log = results / f"adaptive_{pair}_{dtype}_{isa}.jsonl"
         log.parent.mkdir(parents=True, exist_ok=True)
 
-        def add(path, outs, chosen=float("nan"), wall=None, streams=1):
+        def add(path, outs, chosen=float("nan"), wall=None, streams=1, start=0):
             # Each run is also printed and appended at once: a run cut short keeps its rows.
-            for j, ((cls, _), o) in enumerate(zip(classes, outs)):
+            # outs: outcomes of the prompts from `start` on.
+            for j, ((cls, _), o) in enumerate(zip(classes[start:], outs), start):
                 row = {"path": path, "streams": streams, "class": cls, "prompt": j, "tokens": o.tokens,
                        "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
                        "chosen_k": o.chosen_k if streams == 1 else chosen,
@@ -269,11 +266,10 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                              "accepted": sum(o.accepted for o in outs), "chosen_k": chosen,
                              "token_ids": None})
 
-        def add_paired(label_a, label_b, outs_a, outs_b):
-            for outs in outs_a:
-                add(label_a, outs)
-            for outs in outs_b:
-                add(label_b, outs)
+        def add_paired(label_a, label_b, stack, a, b):
+            """Each run's row as soon as it ran (a run cut short keeps the pairs it did)."""
+            paired(stack, prompts, max_tokens, repeats, a, b,
+                   lambda k, j, o: add(label_a if k == a else label_b, [o], start=j))
 
         if parts & {"ref", "hf"}:
             target = load_model(target_dir, CPU, torch_dtype)
@@ -304,8 +300,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         draft_path = str(draft_dir)
         if "defaults" in parts:
             with stack(draft_model=draft_path) as s:  # defaults: adaptive, auto, k <= 4
-                add_paired("stack defaults", "stack k=0",
-                           *paired(s, prompts, max_tokens, repeats, None, 0))
+                add_paired("stack defaults", "stack k=0", s, None, 0)
                 if "streams" in parts:
                     for label, k in (("stack defaults", None), ("stack k=0", 0)):
                         outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
@@ -329,8 +324,8 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
             for k_max in ngram_k_max:
                 with stack(draft_model="ngram", num_speculative_tokens=k_max) as s:
                     label = "" if k_max == StackConfig.num_speculative_tokens else f", k<={k_max}"
-                    add_paired(f"stack n-gram defaults{label}", f"stack n-gram k=0{label}",
-                               *paired(s, prompts, max_tokens, repeats, None, 0))
+                    add_paired(f"stack n-gram defaults{label}", f"stack n-gram k=0{label}", s,
+                               None, 0)
         report(console, rows, classes, dtype, isa, max_tokens, time.perf_counter() - t_start,
                pair, results)
         differences(console, rows, prompts, target_dir, torch_dtype)
