@@ -61,16 +61,29 @@ EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step 
 EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
 EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
 EXPLORE_FIRST_SHARE = 0.03  # ... the first's: of the plain time its requests have left
+EXPLORE_AT_ONCE_GAIN = 1.5  # a fresh server's first exploration is due at a sequence's first
+# decode step when the tables say fully accepted speculation would run this much faster
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(α, k): tokens one sequence emits from k proposals at per-token acceptance α."""
+def expected_tokens(alpha: float, k: int, cont: float = 1.0) -> float:
+    """E(α, k): tokens one sequence emits from up to k proposals at per-token acceptance α,
+    when the draft goes on after each proposal with probability `cont` (early stop):
+    1 + Σ_{j=1..k} cont^(j-1) α^j."""
     if k <= 0:
         return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    if cont >= 1.0:
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return 1.0 + sum(cont ** (j - 1) * alpha ** j for j in range(1, k + 1))
+
+
+def expected_len(k: int, cont: float = 1.0) -> float:
+    """Expected proposal length (= draft forwards) when asking for k: Σ_{j=1..k} cont^(j-1)."""
+    if cont >= 1.0:
+        return float(max(k, 0))
+    return sum(cont ** (j - 1) for j in range(1, k + 1))
 
 
 @dataclass
@@ -81,6 +94,8 @@ class Acceptance:
     tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
     proposed: float = 0.0  # steps where the proposer returned tokens ...
     asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
+    continued: float = 0.0  # draft positions after which the draft went on ...
+    tested: float = 0.0  # ... out of those where it could have stopped early
     plain_steps: int = 0  # steps without speculation since it last speculated ...
     plain_s: float = 0.0  # ... and their predicted seconds (its exploration budget)
     explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
@@ -94,6 +109,19 @@ class Acceptance:
 
     def proposal_rate(self, weight: float = 1.0) -> float:
         return (self.proposed + weight) / (self.asked + weight)
+
+    def continuation(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """How often the draft goes on after a proposal (1: it never stops early)."""
+        return (self.continued + weight * prior) / (self.tested + weight)
+
+    def drafted(self, asked: int, proposed: int, decay: float) -> None:
+        """A draft model returned `proposed` of `asked` tokens: it went on after each but
+        the last, and stopped early after the last when it is short of what was asked."""
+        if not proposed:
+            return
+        stopped = 1 if proposed < asked else 0
+        self.continued = decay * self.continued + proposed - 1
+        self.tested = decay * self.tested + proposed - 1 + stopped
 
     def update(self, asked: int, proposed: int, accepted: int, decay: float) -> None:
         """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
@@ -151,6 +179,7 @@ class Plan:
     catch_up: float = 0.0  # ... and for its catch-up (both before the learned factors)
     catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
     horizon: float = 1.0  # speculative steps the catch-up is spread over
+    behind: list[int] | None = None  # [B] tokens each row's draft had to read first
 
 
 class SpeculationPolicy:
@@ -171,7 +200,7 @@ class SpeculationPolicy:
             draft_costs is not None or not draft_model)
         self.scoring = scoring.replace("_", "-")
         self.seqs: dict[int, Acceptance] = {}
-        self.all = Acceptance(accepted=prior * 4, tried=4.0)
+        self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
         self.measure_overheads = measure_overheads
         # Learned from the steps (seconds): outside the calls; a plain scoring call beyond the
         # table's decode (RPC, and the table's error); an n-gram proposer call. Factors on
@@ -192,7 +221,10 @@ class SpeculationPolicy:
         caps = [min(cap, a.trusted_k()) for cap, a in zip(caps, est)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
-        evaluate = lambda ks: self._evaluate(ks, alphas, rates, candidates)  # noqa: E731
+        cont_prior = self.all.continuation(1.0, 0.0)
+        conts = [a.continuation(cont_prior) if self.draft_model else 1.0 for a in est]
+        evaluate = lambda ks, al=alphas: self._evaluate(ks, al, rates, conts,  # noqa: E731
+                                                        candidates)
         plain = best = evaluate([0] * len(caps))
         best_spec = None
         for K in range(1, max(caps, default=0) + 1):
@@ -211,19 +243,32 @@ class SpeculationPolicy:
                 best_spec = plan
         if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
             best = best_spec
-        return self._maybe_explore(best, best_spec, plain, est, candidates)
+        at_once = False
+        if best_spec is not None and not any(best.ks) and not self.verify_factor:
+            # Nothing speculative measured yet (a fresh server): could it pay well, fully
+            # accepted at up to the caps (its steady steps: the catch-up is the probe's)?
+            full = [min(c.cap, self.k_max) for c in candidates]
+            for K in range(1, max(full) + 1):
+                sure = evaluate([min(K, cap) for cap in full], [1.0] * len(est))
+                steady = sure.seconds - sure.catch_up_s / sure.horizon
+                at_once |= sure.expected_tokens / steady > EXPLORE_AT_ONCE_GAIN * _rate(plain)
+        return self._maybe_explore(best, best_spec, plain, est, candidates, at_once)
 
     def _maybe_explore(self, best: Plan, best_spec: Plan | None, plain: Plan,
-                       est: list[Acceptance], candidates: list[Candidate]) -> Plan:
+                       est: list[Acceptance], candidates: list[Candidate],
+                       at_once: bool = False) -> Plan:
         """Run the best speculative plan although plain decoding looks faster when one of its
-        sequences is due (its plain steps reached its wait) and the predicted loss fits the
-        budget, so that speculation's cost is measured rather than taken from the table."""
+        sequences is due (its plain steps reached its wait; at_once: its first exploration
+        is due now, at its first decode step, where the draft's catch-up is smallest) and
+        the predicted loss fits the budget, so that speculation's cost is measured rather
+        than taken from the table."""
         if any(best.ks) or best_spec is None:
             return best
         for a in est:
             a.plain_s += plain.seconds
         due = [i for i, k in enumerate(best_spec.ks)
-               if k and est[i].plain_steps >= est[i].explore_after]
+               if k and (est[i].plain_steps >= est[i].explore_after
+                         or at_once and not est[i].asked)]  # never speculated
         if not due:
             return best
         if self.verify_factor:
@@ -248,13 +293,15 @@ class SpeculationPolicy:
             steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
 
     def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float],
-                  candidates: list[Candidate]) -> Plan:
-        tokens = sum(1.0 + r * (expected_tokens(a, k) - 1.0) for a, r, k in zip(alphas, rates, ks))
+                  conts: list[float], candidates: list[Candidate]) -> Plan:
+        tokens = sum(1.0 + r * (expected_tokens(a, k, c) - 1.0)
+                     for a, r, k, c in zip(alphas, rates, ks, conts))
         plan = Plan(ks, "", tokens, 0.0)
-        self._cost(plan, rates, candidates)
+        self._cost(plan, rates, conts, candidates)
         return plan
 
-    def _cost(self, plan: Plan, rates: list[float], candidates: list[Candidate]) -> None:
+    def _cost(self, plan: Plan, rates: list[float], conts: list[float],
+              candidates: list[Candidate]) -> None:
         """Fill in the plan's scoring method and predicted seconds."""
         ks = plan.ks
         B, K = len(ks), max(ks)
@@ -265,7 +312,8 @@ class SpeculationPolicy:
             plan.seconds = max(seconds, 1e-6)
             return
         if self.draft_model:
-            steady, catch_up = self._drafted(ks, [c.behind for c in candidates])
+            plan.behind = [c.behind for c in candidates]
+            steady, catch_up = self._drafted(ks, plan.behind, conts)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
             seconds += self._rpc() + self.draft_factor.value * steady
@@ -274,12 +322,15 @@ class SpeculationPolicy:
                 seconds += plan.catch_up_s / plan.horizon
         else:
             seconds += self.ngram_s.value
+        # An early-stopping draft proposes fewer tokens than asked: verify what it is expected
+        # to propose.
+        lens = [expected_len(k, c) for k, c in zip(ks, conts)]
         if self.scoring == "auto":
             plan.scoring = min(("multi-query", "batch-expansion"),
-                               key=lambda m: verify_seconds(self.scorer_costs, m, ks))
+                               key=lambda m: verify_seconds(self.scorer_costs, m, lens))
         # What verifying costs beyond a decode, as the table says, mended by what was measured.
-        extra = (verify_seconds(self.scorer_costs, plan.scoring, ks) - self.scorer_costs(B, 1)
-                 ) * self._verify_factor(K + 1)
+        extra = (verify_seconds(self.scorer_costs, plan.scoring, lens) - self.scorer_costs(B, 1)
+                 ) * self._verify_factor(round(max(lens)) + 1)
         # An n-gram proposer may find nothing: when no row has a proposal, the step's
         # scoring is a decode.
         p_none = 1.0
@@ -291,14 +342,22 @@ class SpeculationPolicy:
         """One call's time around the forward (the proposer's is taken to be the scorer's)."""
         return max(self.rpc_s.value, 0.0)
 
-    def _drafted(self, ks: list[int], behind: list[int]) -> tuple[float, float]:
+    def _drafted(self, ks: list[int], behind: list[int],
+                 conts: list[float] | None = None) -> tuple[float, float]:
         """The draft table's seconds for the step's forwards: (steady, catch-up). Step s runs
-        over the rows still drafting; the first reads what each row missed (padded to the
-        longest), of which up to 2 tokens (the bonus token, and the last proposal when all
-        were accepted) are the steady state and the rest is catch-up."""
+        over the rows still drafting (a row asked for k goes on past step s with
+        probability conts^s: early stop; an expected count of rows below one costs that
+        share of one row); the first reads what each row missed (padded to the longest), of
+        which up to 2 tokens (the bonus token, and the last proposal when all were accepted)
+        are the steady state and the rest is catch-up."""
+        conts = conts or [1.0] * len(ks)
         rows = sum(1 for k in ks if k)
         width = max((b for b, k in zip(behind, ks) if k), default=1)
-        steady = sum(self.draft_costs(sum(1 for k in ks if k > s), 1) for s in range(1, max(ks)))
+        steady = 0.0
+        for s in range(1, max(ks)):
+            active = sum(c ** s for k, c in zip(ks, conts) if k > s)
+            steady += (self.draft_costs(active, 1) if active >= 1
+                       else active * self.draft_costs(1, 1))
         first = self.draft_costs(rows, min(width, 2))
         return steady + first, max(self.draft_costs(rows, width) - first, 0.0)
 
@@ -319,6 +378,9 @@ class SpeculationPolicy:
             return
         est.plain_steps, est.plain_s = 0, 0.0
         est.update(asked, proposed, accepted_prefix, DECAY)
+        if self.draft_model:
+            est.drafted(asked, proposed, DECAY)
+            self.all.drafted(asked, proposed, GLOBAL_DECAY)
         if proposed:
             self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
 
@@ -340,11 +402,15 @@ class SpeculationPolicy:
                 _factor(score_s - self.rpc_s.value - decode, extra))
         if max(plan.ks):
             if self.draft_model:
-                self._learn_draft(propose_s - self._rpc(), plan)
+                # Priced as drafted: an early stop ran fewer forwards than the plan expected.
+                steady, catch_up = self._drafted([n if k else 0 for n, k in zip(lens, plan.ks)],
+                                                 plan.behind or [1] * len(lens))
+                if any(lens):
+                    self._learn_draft(propose_s - self._rpc(), steady, catch_up)
             else:
                 self.ngram_s.add(propose_s)
 
-    def _learn_draft(self, measured: float, plan: Plan) -> None:
+    def _learn_draft(self, measured: float, steady: float, catch_up: float) -> None:
         """The draft's factors: a catch-up forward (a prefill of what was missed) is off the
         table by other factors than a decode step, so a step with one teaches the catch-up
         factor (what is left after the steady forwards as predicted), one without the
@@ -352,15 +418,15 @@ class SpeculationPolicy:
         measured, a step with a catch-up teaches both the same one (the first exploration
         always reads the prompt; charged to the catch-up alone, it left a start-up table
         8x too dear pricing every later draft step, and speculation never ran again)."""
-        if plan.catch_up and self.draft_factor.n == 0:
-            both = _factor(measured, plan.draft_s + plan.catch_up)
+        if catch_up and self.draft_factor.n == 0:
+            both = _factor(measured, steady + catch_up)
             self.draft_factor.add(both)
             self.catch_up_factor.add(both)
-        elif plan.catch_up:
-            steady = self.draft_factor.value * plan.draft_s
-            self.catch_up_factor.add(_factor(measured - steady, plan.catch_up))
+        elif catch_up:
+            self.catch_up_factor.add(_factor(measured - self.draft_factor.value * steady,
+                                             catch_up))
         else:
-            self.draft_factor.add(_factor(measured, plan.draft_s))
+            self.draft_factor.add(_factor(measured, steady))
 
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:

@@ -1,8 +1,15 @@
-"""Draft-model proposer: k single-token steps of a small model (top-1, no tree).
+"""Draft-model proposer: up to k single-token steps of a small model (top-1, no tree).
 
 A greedy sequence proposes the draft's argmax; a sampled one draws from the draft's own
 truncated distribution q, which is returned so rejection sampling stays lossless.
-Each of the k forward passes is a `draft_model.forward` span.
+Each forward pass is a `draft_model.forward` span.
+
+Early stop (`confidence` > 0): a sequence stops drafting after a token its draft was unsure
+of, the largest probability of that position's distribution (greedy: the argmax's softmax
+probability; sampled: max q) below `confidence`. The unsure token is still proposed (its
+forward is paid for; the verify may accept it), the next position is not. The decision reads
+only the draft's own distributions of the prefix, so verification stays exact
+(docs/design.md, adaptive speculation).
 """
 
 from __future__ import annotations
@@ -17,27 +24,40 @@ from specdecode.worker import ModelWorker
 
 
 class DraftModelProposer(SpeculativeProposer):
-    def __init__(self, worker: ModelWorker):
+    def __init__(self, worker: ModelWorker, confidence: float = 0.0):
+        """confidence: stop a sequence's draft after a token below it (0 = never stop early)."""
+        if not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"draft confidence: must be in [0, 1], got {confidence}")
         self.worker = worker
+        self.confidence = confidence
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         groups = execute_model_req.seq_group_metadata_list
         k = execute_model_req.num_lookahead_slots
         k_seq = [speculation_len(sg, k, self.worker.max_model_len) for sg in groups]  # [B]
         want_probs = wants_probs(groups)
+        early_stop = self.confidence > 0.0
         drafted: list[list[int]] = [[] for _ in groups]
         probs = torch.zeros(len(groups), k, self.worker.vocab_size) if want_probs else None
         for step in range(max(k_seq, default=0)):
             active = [i for i, n in enumerate(k_seq) if n > step]
+            if not active:  # every sequence stopped early
+                break
             batch = [groups[i].with_appended(drafted[i]) for i in active]
             with tracing.child_span("draft_model.forward", {"specdecode.draft_position": step,
                                                               "specdecode.batch_size": len(batch)}):
                 out = self.worker.execute_model(execute_model_req.clone(batch),
-                                                want_probs=want_probs)
+                                                want_probs=want_probs,
+                                                want_confidence=early_stop)
+            tokens = out.sampled_token_ids.tolist()
+            unsure = ((out.confidence < self.confidence).tolist() if early_stop
+                      else [False] * len(active))
             for row, i in enumerate(active):
-                drafted[i].append(int(out.sampled_token_ids[row]))
+                drafted[i].append(tokens[row])
                 if probs is not None:
                     probs[i, step] = out.sampled_token_probs[row]
+                if unsure[row]:
+                    k_seq[i] = step + 1
         ids, lens = pack_proposals(drafted, k)
         return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs, proposal_lens=lens)
 

@@ -17,9 +17,10 @@ log = logging.getLogger(__name__)
 
 async def serve_proposer(options: ServerOptions, model: ModelOptions,
                          draft_vocab_size: int = 0,
-                         limits: ServiceLimits = ServiceLimits()) -> None:
+                         limits: ServiceLimits = ServiceLimits(),
+                         draft_confidence: float = 0.0) -> None:
     def load():
-        loaded = build_proposer(model, draft_vocab_size)
+        loaded = build_proposer(model, draft_vocab_size, draft_confidence)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
             export_runner_metrics(loaded.runner, "proposer")
             attach_live_costs(loaded.runner, loaded.info.forward_cost)

@@ -35,10 +35,13 @@ class LoadedProposer:
     runner: ModelRunner | None  # the draft model's; None for the n-gram proposer
 
 
-def build_proposer(options: ModelOptions, draft_vocab_size: int = 0) -> LoadedProposer:
+def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
+                   draft_confidence: float = 0.0) -> LoadedProposer:
     """The proposer that `options` name: "ngram", or a draft model loaded from its path,
     its forward costs measured (cost_model.calibrate). draft_vocab_size: the draft scores
-    only that many most frequent token ids (0 = all; proposer_svc.pruned_head)."""
+    only that many most frequent token ids (0 = all; proposer_svc.pruned_head);
+    draft_confidence: a draft stops after a token it was less sure of (0 = never;
+    proposer_svc.draft)."""
     if options.model == "ngram":
         return LoadedProposer(NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO, None)
     if draft_vocab_size < 0:
@@ -48,7 +51,8 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0) -> LoadedPr
     log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
     info = model_info_for(runner, options, fingerprint, role="proposer",
                           forward_cost=calibrate(runner))
-    return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft")), info, runner)
+    return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft"), draft_confidence),
+                          info, runner)
 
 
 class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceServicer):

@@ -118,13 +118,17 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
 
 def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                   purpose: str, want_probs: bool, want_logprobs: bool,
-                  histories: list[TokenHistory | None] | None = None):
+                  histories: list[TokenHistory | None] | None = None,
+                  want_confidence: bool = False):
     """logits [N, V] for N single-query rows -> SamplerOutput.
 
     Row i draws the token at sequence position positions[i]: the argmax of its processed
     logits when greedy, else a sample from its processed, truncated distribution with that
     request's step generator. histories[i]: the tokens before row i (needed only by rows
-    with penalties). Logprobs are log_softmax of the raw logits.
+    with penalties). Logprobs are log_softmax of the raw logits. Confidence (a draft's
+    early stop, docs/design.md "Adaptive speculation"): the largest probability of the row's
+    distribution: of the processed logits' softmax when greedy (the argmax's probability),
+    of the truncated distribution when sampled.
     """
     from specdecode.sequence import SamplerOutput
 
@@ -146,6 +150,14 @@ def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions:
             gens = [step_generator(params[i], positions[i], purpose) for i in sampled]
             token_ids[sampled] = sample(probs[sampled], gens)
     logprobs = torch.log_softmax(logits.float(), -1) if want_logprobs else None
+    confidence = None
+    if want_confidence:  # [N]
+        confidence = torch.empty(len(params), dtype=torch.float32, device=shaped.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            confidence[greedy] = torch.softmax(shaped[greedy].float(), -1).amax(-1)
+        if sampled:
+            confidence[sampled] = probs[sampled].amax(-1)
     return SamplerOutput(sampled_token_ids=token_ids,
                          sampled_token_probs=probs if want_probs else None,
-                         logprobs=logprobs)
+                         logprobs=logprobs, confidence=confidence)

@@ -203,3 +203,5 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] long
     sampled_token_probs: torch.Tensor | None  # [N, V] float32, None when not asked for
     logprobs: torch.Tensor | None  # [N, V] float32, None when not asked for
+    # [N] float32: the row's largest probability (sampling.sample_logits), when asked for
+    confidence: torch.Tensor | None = None

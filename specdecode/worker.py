@@ -27,7 +27,8 @@ class ModelWorker:
         return self.runner.max_model_len
 
     def score_rows(self, groups: list[SequenceGroupMetadata], num_queries: list[int],
-                   want_probs: bool, want_logprobs: bool) -> SamplerOutput:
+                   want_probs: bool, want_logprobs: bool,
+                   want_confidence: bool = False) -> SamplerOutput:
         """Logits for the last num_queries[i] positions of each sequence, sampled in order:
         N = sum(num_queries) rows, row (i, j) drawing the token at position len_i - q_i + j + 1."""
         rows = [RunnerRow(sg.kv_cache_id, sg.data.get_token_ids(), q)
@@ -43,13 +44,15 @@ class ModelWorker:
                           else [None] * q)
         flat = torch.cat(logits) if logits else torch.empty(0, self.vocab_size)  # [N, V]
         return sample_logits(flat, params, positions, self.purpose, want_probs, want_logprobs,
-                             histories)
+                             histories, want_confidence)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest, want_probs: bool = False,
-                      want_logprobs: bool = False) -> SamplerOutput:
+                      want_logprobs: bool = False, want_confidence: bool = False
+                      ) -> SamplerOutput:
         """The next token of every sequence: N = batch size rows, in request order."""
         groups = execute_model_req.seq_group_metadata_list
-        return self.score_rows(groups, [1] * len(groups), want_probs, want_logprobs)
+        return self.score_rows(groups, [1] * len(groups), want_probs, want_logprobs,
+                               want_confidence)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         return self.runner.release(seq_ids)

@@ -200,17 +200,23 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_hos
 DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequent token ids "
                     "(BPE merge rank), -inf for the rest; 0 = the whole vocabulary. Output "
                     "stays lossless.")
+DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a token whose "
+                         "probability under the draft (greedy: its softmax; sampled: the "
+                         "distribution's largest) is below this; 0 = always draft k tokens. "
+                         "Output stays lossless.")
 
 
 @serve.command("proposer")
 @opt("--model", default=DEFAULTS.draft_model, help="Draft model directory or .gguf, or 'ngram'.")
 @opt("--draft-vocab-size", default=DEFAULTS.draft_vocab_size, type=click.IntRange(0),
      help=DRAFT_VOCAB_HELP)
+@opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
+     help=DRAFT_CONFIDENCE_HELP)
 @model_options
 @service_limit_options
 @server_options(50052)
 @telemetry_options
-def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cache_memory,
+def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len, kv_cache_memory,
                    max_num_seqs, enforce_eager, trace_console, log_format, max_batch_seqs,
                    max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The proposer service (draft model or n-gram)."""
@@ -220,7 +226,8 @@ def serve_proposer(model, draft_vocab_size, device, dtype, max_model_len, kv_cac
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
-    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits),
+    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
+                                        draft_confidence),
                 trace_console, log_format)
 
 
@@ -365,18 +372,20 @@ stack_options = option_group(
         help="adaptive: k per sequence and step from measured costs; fixed: always k."),
     opt("--draft-vocab-size", default=DEFAULTS.draft_vocab_size, type=click.IntRange(0),
         help=DRAFT_VOCAB_HELP),
+    opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
+        help=DRAFT_CONFIDENCE_HELP),
     click.option("--port", default=DEFAULTS.port, type=int, show_default=True,
                  help="The orchestrator's port (0 = any free port)."),
 )
 
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
-           speculation, draft_vocab_size, port) -> LocalStack:
+           speculation, draft_vocab_size, draft_confidence, port) -> LocalStack:
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculation=speculation, draft_vocab_size=draft_vocab_size,
-                                  port=port))
+                                  draft_confidence=draft_confidence, port=port))
 
 
 def _start(stack: LocalStack) -> None:

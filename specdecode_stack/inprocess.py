@@ -21,12 +21,14 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            device: torch.device = torch.device("cpu"),
                            ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
-                           enforce_eager: bool = False) -> SpecDecodeEngine:
+                           enforce_eager: bool = False,
+                           draft_confidence: float = 0.0) -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
     LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
-    this modifies `draft` in place)."""
+    this modifies `draft` in place); draft_confidence: the draft stops after a token it
+    was less sure of (proposer_svc.draft)."""
     target_runner = ModelRunner(target, device, enforce_eager=enforce_eager)
     max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
@@ -38,7 +40,7 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
         draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager)
         max_len = min(max_len, draft_runner.max_model_len)
         draft_costs = calibrate(draft_runner) if adaptive else None
-        proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"))
+        proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"), draft_confidence)
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)
     policy = SpeculationPolicy(k, adaptive=adaptive, scorer_costs=target_costs,
                                draft_costs=draft_costs, draft_model=draft != "ngram",

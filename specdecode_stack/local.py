@@ -83,6 +83,7 @@ class StackConfig:
     num_speculative_tokens: int = 4  # the most, with adaptive speculation
     speculation: str = "adaptive"  # or "fixed"
     draft_vocab_size: int = 0  # 0 = the draft scores the whole vocabulary
+    draft_confidence: float = 0.0  # a draft stops after a token below it (0 = never)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
     grace_seconds: float = 10.0
@@ -162,7 +163,8 @@ class LocalStack:
             wait_process_serving(s_addr, timeout_s, scorer, probe, c.log_file)
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
                                    "--model", c.draft_model, "--draft-vocab-size",
-                                   str(c.draft_vocab_size), *model_args,
+                                   str(c.draft_vocab_size), "--draft-confidence",
+                                   str(c.draft_confidence), *model_args,
                                    *self._tls_args("proposer"), *c.service_args)
             wait_process_serving(p_addr, timeout_s, proposer, probe, c.log_file)
             if not c.port:

@@ -388,11 +388,13 @@ PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 8, 9, 
 MAX_TOKENS = 16
 
 
-def adaptive_engine(target, draft, draft_vocab_size: int = 0, k: int = 4):
+def adaptive_engine(target, draft, draft_vocab_size: int = 0, k: int = 4,
+                    draft_confidence: float = 0.0):
     """Adaptive k and auto scoring on costs that make speculation pay (flat verify, cheap
     draft), so the policy varies k instead of settling on 0 from the tiny models' noise."""
     engine = build_inprocess_engine(target, draft, "auto", k, CPU, ngram_min=1,
-                                    adaptive=False, draft_vocab_size=draft_vocab_size)
+                                    adaptive=False, draft_vocab_size=draft_vocab_size,
+                                    draft_confidence=draft_confidence)
     costs = table(0.01, 0.0005)
     engine.scorer = AutoScorer(engine.scorer.worker, costs)
     engine.policy = policy(costs, table(0.001, 0.0) if draft != "ngram" else None, k_max=k,
@@ -484,3 +486,169 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
         count = float(re.search(r"^specdecode_chosen_k_count(?:\{[^}]*\})? (\S+)$", body,
                                     re.M).group(1))  # labels: model_name
         assert count >= len(PROMPTS) * 2  # one per sequence-step, prompt steps included
+
+
+# -- early stop: a draft stops after a token it is unsure of ----------------------------------
+
+def draft_confidences(draft, prefix: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The draft's greedy continuation of `prefix` and each position's largest softmax
+    probability (full recomputation: no cache, no batching)."""
+    tokens, confidences = list(prefix), []
+    with torch.inference_mode():
+        for _ in range(n):
+            probs = draft(torch.tensor([tokens])).logits[0, -1].float().softmax(-1)
+            confidences.append(float(probs.max()))
+            tokens.append(int(probs.argmax()))
+    return tokens[len(prefix):], confidences
+
+
+def test_an_unsure_draft_stops_after_the_token_it_was_unsure_of(draft_model):
+    """Each sequence's proposal runs up to and including the first token whose probability
+    under the draft is below the threshold; at 0 it is k long whatever the draft's
+    confidence; the batch's other rows go on without it."""
+    from proposer_svc.draft import DraftModelProposer
+    from specdecode.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
+    from tests.conftest import worker
+
+    k, threshold = 8, 0.16
+    prefixes = [p + [9] for p in PROMPTS]
+    expected = []
+    for p in prefixes:
+        tokens, conf = draft_confidences(draft_model, p, k)
+        n = next((j + 1 for j, c in enumerate(conf) if c < threshold), k)
+        expected.append(tokens[:n])
+    lens = [len(t) for t in expected]
+    assert 1 in lens and max(lens) > 1 and min(lens) < k  # the threshold splits these drafts
+
+    def request():
+        return ExecuteModelRequest([SequenceGroupMetadata(
+            str(i), False, {i: SequenceData(p[:-1], p[-1:])},
+            SamplingParams(temperature=0.0), num_speculative_tokens=k)
+            for i, p in enumerate(prefixes)], num_lookahead_slots=k)
+
+    out = DraftModelProposer(worker(draft_model, "draft"), threshold).get_proposals(request())
+    assert out.proposal_lens.tolist() == lens
+    assert [row[:n] for row, n in zip(out.proposal_token_ids.tolist(), lens)] == expected
+    assert all(t == -1 for row, n in zip(out.proposal_token_ids.tolist(), lens) for t in row[n:])
+    full = DraftModelProposer(worker(draft_model, "draft"), 0.0).get_proposals(request())
+    assert full.proposal_lens.tolist() == [k] * len(prefixes)
+    with pytest.raises(ValueError, match="confidence"):
+        DraftModelProposer(worker(draft_model, "draft"), 1.5)
+
+
+def test_greedy_equals_target_with_early_stop(target_model):
+    """Adaptive k up to 8, a draft (the target's twin: all accepted, so k ramps up) that
+    stops after tokens below 0.3: its proposals come back shorter than asked, and the
+    output is the target's own (rejections under early stop: the sampling test below)."""
+    engine = adaptive_engine(target_model, build_tiny_model(TARGET), k=8, draft_confidence=0.3)
+    asked_and_got, propose = [], engine.proposer.get_proposals
+
+    def recording(req):
+        out = propose(req)
+        asked_and_got.extend((sg.num_speculative_tokens, int(n)) for sg, n in
+                             zip(req.seq_group_metadata_list, out.proposal_lens))
+        return out
+    engine.proposer.get_proposals = recording
+    max_tokens = 24
+    done = engine.generate([greedy_request(str(i), p, max_tokens) for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        assert done[str(i)].output_token_ids == reference_greedy(target_model, p, max_tokens)
+    assert any(0 < got < asked for asked, got in asked_and_got)  # early stops happened ...
+    assert any(got > 1 for _, got in asked_and_got)  # ... and longer drafts too
+
+
+@torch.inference_mode()
+def target_triple_probs(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """The target's exact joint of a request's first three tokens under its truncation."""
+    from specdecode.sampling import truncated_probs
+
+    def dist(tokens):
+        return truncated_probs(model(torch.tensor([tokens])).logits[0, -1:], params)[0]
+    joint = {}
+    for (t1, t2), p12 in target_pair_probs(model, prompt, params).items():
+        p3 = dist(prompt + [t1, t2])
+        for t3 in p3.nonzero().flatten().tolist():
+            joint[(t1, t2, t3)] = p12 * float(p3[t3])
+    return joint
+
+
+def test_sampling_follows_the_target_with_early_stop(target_model):
+    """Fixed k = 2 after the prompt step, a draft (another model) that proposes its second
+    token only when its first position's largest q reached the threshold (the median over
+    the target's possible first tokens, so about half the draws stop early): the first three
+    tokens still follow the target's joint distribution (chi-square, alpha = 1e-3, fixed
+    seeds). The third token is the verified second proposal or, after an early stop, the
+    bonus token at position 2 (a verifier that took the bonus from position k instead of
+    the proposal's own length fails this test)."""
+    from specdecode.sampling import truncated_probs
+
+    params = dict(temperature=1.0, top_k=6, top_p=0.95)
+    prompt = [5, 17, 99, 3, 42]
+    draft = build_tiny_model(TinyModelSpec(seed=2, num_layers=1))
+    firsts = target_pair_probs(target_model, prompt[:-1] + [prompt[-1]], SamplingParams(**params))
+    with torch.inference_mode():
+        max_q = sorted({t1: float(truncated_probs(draft(torch.tensor([prompt + [t1]])).logits[0, -1:],
+                                                  SamplingParams(**params)).max())
+                        for t1, _ in firsts}.values())
+    threshold = (max_q[len(max_q) // 2 - 1] + max_q[len(max_q) // 2]) / 2
+    engine = build_inprocess_engine(target_model, draft, "multi-query", 2, CPU,
+                                    draft_confidence=threshold)
+    n = 3000
+    done = engine.generate([Request(str(i), prompt, SamplingParams(seed=i, max_tokens=3, **params))
+                            for i in range(n)])
+    triples = [tuple(done[str(i)].output_token_ids) for i in range(n)]
+    drafts = [s.stats.draft_tokens for s in done.values()]
+    assert 1 in drafts and 2 in drafts  # early stops and whole drafts
+    expected = target_triple_probs(target_model, prompt, SamplingParams(**params))
+    assert all(t in expected for t in triples)
+    assert chi_square_pvalue(triples, expected) > 1e-3
+
+
+def drive_early_stop(p: SpeculationPolicy, steps: int, scorer: ForwardCosts, draft: ForwardCosts,
+                     stops_after: int, rpc_s: float = 0.004) -> list[tuple]:
+    """One sequence of accepted code whose draft stops after `stops_after` tokens whatever
+    it is asked for (all accepted), its step times from the true tables."""
+    out, behind = [], 2
+    for _ in range(steps):
+        plan = p.plan([Candidate(1, 16, behind=behind)])
+        k = plan.ks[0]
+        n = min(k, stops_after)
+        p.observe(1, k, n, n)
+        propose_s = rpc_s + draft(1, behind) + (n - 1) * draft(1, 1) if k else 0.0
+        score_s = rpc_s + scorer(1, n + 1)
+        p.observe_step(plan, [n], propose_s, score_s, propose_s + score_s + 0.002)
+        behind = 2 if k else behind + 1
+        out.append((plan, propose_s + score_s + 0.002, n))
+    return out
+
+
+def test_policy_learns_that_drafts_stop_early():
+    """A draft that stops after 2 tokens when asked for up to 16: the policy learns the
+    continuation, predicts the 3 tokens and the step time such a step really has (within
+    10%), and keeps the draft's cost factor at the table's (it priced the 2 forwards that
+    ran, not the 16 asked for: charged as 16 the factor fell to ~0.2 and every later
+    plan's draft steps were priced 5x too cheap)."""
+    scorer, draft = table(0.20, 0.005), table(0.09, 0.002)
+    p = policy(scorer, draft, k_max=16, prior=0.9)
+    steps = drive_early_stop(p, 40, scorer, draft, stops_after=2)
+    plan, seconds, n = steps[-1]
+    assert plan.ks[0] > 2 and n == 2
+    assert plan.expected_tokens == pytest.approx(3.0, rel=0.1)
+    assert plan.seconds == pytest.approx(seconds, rel=0.1)
+    assert p.draft_factor.value == pytest.approx(1.0, rel=0.1)
+    assert p.seqs[1].continuation(1.0) < 0.65  # 0.5 learned, beside the prior of 1
+
+
+def test_a_fresh_servers_first_request_probes_at_its_first_decode_step():
+    """Native bf16 tables as measured (decode 0.20 s, a verify of 5 0.24 s, a draft step
+    0.10 s): at the 0.6 prior a k = 1 step does not pay, so the first request on a fresh
+    server used to decode 8 plain steps and then probe with a catch-up 8 tokens longer.
+    Fully accepted at its cap (4) speculation would run over 1.5x faster on these tables,
+    so it probes at its first decode step, where the catch-up is smallest; the AVX2 tables
+    of test_exploring_with_a_draft_pays_for_its_catch_up (1.2x at best) still wait 8
+    steps."""
+    scorer, draft = table(0.20, 0.01), table(0.10, 0.003)
+    plans = run_draft_steps(policy(scorer, draft), 64, scorer, draft, prompt=20, accept=True)
+    first = next(i for i, (plan, _) in enumerate(plans) if plan.ks[0])
+    assert first == 0 and plans[0][0].explore
+    assert max(plan.ks[0] for plan, _ in plans) == 4  # and then speculates on its evidence
