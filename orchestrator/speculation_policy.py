@@ -17,9 +17,11 @@ Acceptance is learned per sequence from what verification accepted (decayed coun
 follows a sequence moving from prose into code), blended with the running acceptance of all
 sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
 tried again once the prior makes speculation look worth it. The prior is other sequences'
-acceptance, so a sequence speculates at most twice the draft tokens it has itself had
-accepted (at least 1: k = 1, 2, 4, ... while all are accepted): a prose request arriving
-after code requests risks one cheap proposal, not k = 4 on code's acceptance.
+acceptance, so a sequence speculates at most four times the draft tokens it has itself had
+accepted (at least 2: k = 2, 8, 16, ... while all are accepted): a prose request arriving
+after code requests risks two cheap proposals, not k = 16 on code's acceptance (a draft
+that stops early when unsure cuts even those short). Nor does a sequence speculate beyond
+what it may still emit: k + 1 tokens at most, so k < the tokens its request has left.
 
 A draft model holds KV state only for what it was sent: after plain steps (and after the
 prompt, which it never sees) its first forward must read every token it missed (catch-up),
@@ -64,6 +66,7 @@ EXPLORE_FIRST_SHARE = 0.03  # ... the first's: of the plain time its requests ha
 EXPLORE_AT_ONCE_GAIN = 1.5  # a fresh server's first exploration is due at a sequence's first
 # decode step when the tables say fully accepted speculation would run this much faster
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
+TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
 
 
 def expected_tokens(alpha: float, k: int, cont: float = 1.0) -> float:
@@ -104,8 +107,9 @@ class Acceptance:
         return (self.accepted + weight * prior) / (self.tried + weight)
 
     def trusted_k(self) -> int:
-        """The most it may speculate on its own evidence: twice its (decayed) accepted tokens."""
-        return max(1, int(2 * self.accepted))
+        """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
+        accepted tokens, at least TRUST_START."""
+        return max(TRUST_START, int(TRUST_GROWTH * self.accepted))
 
     def proposal_rate(self, weight: float = 1.0) -> float:
         return (self.proposed + weight) / (self.asked + weight)
@@ -218,7 +222,8 @@ class SpeculationPolicy:
             return Plan(caps, "", 0.0, 0.0)
         prior = self.all.alpha(0.5, 0.0)
         est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
-        caps = [min(cap, a.trusted_k()) for cap, a in zip(caps, est)]
+        caps = [max(0, min(cap, a.trusted_k(), c.remaining - 1))
+                for cap, a, c in zip(caps, est, candidates)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)

@@ -170,8 +170,8 @@ def test_policy_mends_a_start_up_table_that_wrongly_says_never_speculate():
     plans = run_steps(policy(wrong, None), 40, true, accept=True)
     first = next(i for i, plan in enumerate(plans) if plan.ks[0])
     assert plans[first].explore and first < 10  # measured after EXPLORE_FIRST plain steps
-    # then k grows with the sequence's own accepted tokens (1, 2, 4) and stays at 4
-    assert [plan.ks[0] for plan in plans[first:first + 3]] == [1, 2, 4]
+    # then k grows with the sequence's own accepted tokens (at most 4x them) and stays at 4
+    assert [plan.ks[0] for plan in plans[first:first + 3]] == [1, 4, 4]
     assert all(plan.ks == [4] and not plan.explore for plan in plans[first + 1:][1:])
 
 
@@ -189,18 +189,28 @@ def test_exploring_costs_little_when_the_table_is_right():
 
 def test_a_new_sequence_speculates_on_its_own_evidence():
     """Other sequences accepted everything (a high prior), so a new one speculates, but k
-    grows with what it had accepted itself: 1, then 2, then 4 (at most twice its accepted
-    tokens); one rejected at its first proposal stays at 1."""
+    grows with what it had accepted itself: 2, then 8 (at least 2, at most four times its
+    accepted tokens); one rejected at its first proposals stays at 2."""
     p = policy(table(0.25, 0.0), table(0.02, 0.0))
     teach(p, 1, 8, 8)
     ks = []
     for _ in range(3):
         ks.append(p.plan([Candidate(2, 8)]).ks[0])
         p.observe(2, ks[-1], ks[-1], ks[-1])
-    assert ks == [1, 2, 5]
-    assert p.plan([Candidate(3, 8)]).ks == [1]
-    p.observe(3, 1, 1, 0)
-    assert p.plan([Candidate(3, 8)]).ks[0] <= 1
+    assert ks == [2, 8, 8]
+    assert p.plan([Candidate(3, 8)]).ks == [2]
+    p.observe(3, 2, 2, 0)
+    assert p.plan([Candidate(3, 8)]).ks[0] <= 2
+
+
+def test_a_sequence_never_speculates_past_its_end():
+    """k + 1 tokens at most per step: a request with 3 tokens left asks for 2, with 1 left
+    for none (drafting 16 for the last 6 tokens of a 32-token request cost copy 20%)."""
+    p = policy(table(0.25, 0.0), table(0.02, 0.0), k_max=16)
+    teach(p, 1, 16, 16)
+    assert p.plan([Candidate(1, 16, remaining=100)]).ks == [16]
+    assert p.plan([Candidate(1, 16, remaining=3)]).ks == [2]
+    assert p.plan([Candidate(1, 16, remaining=1)]).ks == [0]
 
 
 def test_catch_up_is_spread_over_the_tokens_left():
@@ -284,7 +294,7 @@ def test_a_probe_with_catch_up_mends_a_draft_table_measured_under_load():
     steady cost was ever measured, both take the same factor. (Charged to the catch-up
     alone, the probe left the steady draft steps priced at 1.07 s and the stack decoded
     accepted code at k=0 for good.) A 256-token request of accepted code is probed after 8
-    plain steps, then ramps 1, 2, 4 and stays at 4: 0.52 of plain decoding's time (0.6
+    plain steps, then ramps 1, 2, 4 and stays at 4 (but at its end): 0.52 of plain decoding's time (0.6
     allowed; at k=0 it was 1.0). The probe's predicted loss on this wrong table exceeds 3%
     of a 64-token request's plain time, so that one is not probed (the price of bounding
     what a probe may cost a short request)."""
@@ -295,7 +305,7 @@ def test_a_probe_with_catch_up_mends_a_draft_table_measured_under_load():
     ks = [plan.ks[0] for plan, _ in plans]
     first = next(i for i, k in enumerate(ks) if k)
     assert first == 8 and plans[first][0].explore and plans[first][0].catch_up > 0
-    assert ks[first:first + 3] == [1, 2, 4] and set(ks[first + 2:]) == {4}
+    assert ks[first:first + 3] == [1, 2, 4] and set(ks[first + 2:-1]) == {4}
     assert sum(s for _, s in plans) < 0.6 * 256 * (0.004 + true_scorer(1, 1))
     plans = run_draft_steps(policy(wrong_scorer, wrong_draft), 64, true_scorer, true_draft,
                             prompt=14, accept=True)
@@ -426,16 +436,17 @@ def test_greedy_equals_target_with_adaptive_k_auto_scoring_and_pruned_head(
 
 
 def test_sampling_follows_the_target_with_adaptive_k_and_pruned_head(target_model):
-    """Two tokens per request, the second from a speculative step of a draft whose head
-    scores 64 of 256 ids (q = 0 elsewhere): the pair still follows the target's joint
-    distribution (chi-square as in test_engine_sampling, alpha = 1e-3, fixed seeds)."""
+    """The first two tokens of three per request, the second from a speculative step (k = 1:
+    the policy asks for no more than the request can emit) of a draft whose head scores 64
+    of 256 ids (q = 0 elsewhere): the pair still follows the target's joint distribution
+    (chi-square as in test_engine_sampling, alpha = 1e-3, fixed seeds)."""
     params = dict(temperature=1.0, top_k=6, top_p=0.95)
     prompt = [5, 17, 99, 3, 42]
     engine = adaptive_engine(target_model, build_tiny_model(TARGET), draft_vocab_size=64, k=2)
     n = 3000
-    done = engine.generate([Request(str(i), prompt, SamplingParams(seed=i, max_tokens=2, **params))
+    done = engine.generate([Request(str(i), prompt, SamplingParams(seed=i, max_tokens=3, **params))
                             for i in range(n)])
-    pairs = [tuple(done[str(i)].output_token_ids) for i in range(n)]
+    pairs = [tuple(done[str(i)].output_token_ids[:2]) for i in range(n)]
     assert sum(s.stats.draft_tokens for s in done.values()) > 0  # speculative second tokens
 
     expected = target_pair_probs(target_model, prompt, SamplingParams(**params))
