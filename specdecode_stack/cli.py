@@ -198,8 +198,8 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_hos
 
 
 DRAFT_VOCAB_HELP = ("Draft model only: compute logits for this many most frequent token ids "
-                    "(BPE merge rank), -inf for the rest; 0 = the whole vocabulary. Output "
-                    "stays lossless.")
+                    "(BPE merge rank), -inf for the rest; a vocabulary no larger is left "
+                    "whole; 0 = the whole vocabulary. Output stays lossless.")
 DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a token whose "
                          "probability under the draft (greedy: its softmax; sampled: the "
                          "distribution's largest) is below this; 0 = always draft k tokens. "

@@ -80,10 +80,13 @@ class StackConfig:
     device: str = "auto"
     dtype: str = "float32"
     scoring: str = "auto"
-    num_speculative_tokens: int = 4  # the most, with adaptive speculation
+    # The defaults below were chosen by measurement (docs/design.md, adaptive speculation).
+    num_speculative_tokens: int = 8  # the most, with adaptive speculation
     speculation: str = "adaptive"  # or "fixed"
-    draft_vocab_size: int = 0  # 0 = the draft scores the whole vocabulary
-    draft_confidence: float = 0.0  # a draft stops after a token below it (0 = never)
+    # The draft scores its 32,768 most frequent ids (a larger vocabulary is pruned to them;
+    # 0 = the whole vocabulary) ...
+    draft_vocab_size: int = 32768
+    draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
     grace_seconds: float = 10.0

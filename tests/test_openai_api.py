@@ -66,7 +66,8 @@ def test_models_and_health(stack, client, model_name):
     with SpecDecodeClient(stack.address) as grpc_client:
         info = grpc_client.model_info()
     assert (info.model_name, info.draft_model_name) == (model_name, model_name)
-    assert info.vocab_size == 49152 and info.num_speculative_tokens == 4
+    assert info.vocab_size == 49152
+    assert info.num_speculative_tokens == StackConfig.num_speculative_tokens
     assert info.scoring_method == "multi_query" and info.has_tokenizer
     assert info.max_logprobs == 20 and info.max_model_len > 0
 
