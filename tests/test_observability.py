@@ -153,6 +153,7 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
     stack = LocalStack(StackConfig(
         target_model=model_dirs["target"], draft_model=model_dirs["draft"], tokenizer="none",
         device="cpu", scoring=scoring, num_speculative_tokens=K, speculation="fixed", port=0,
+        draft_confidence=0.0,  # every proposal K long: the counts below follow from it
         extra_env={**receiver.env, **env}))
     try:
         stack.start()

@@ -75,7 +75,8 @@ def overlap_stack(tiny_model_dirs):
     with LocalStack(StackConfig(
             target_model=tiny_model_dirs["target"], draft_model=tiny_model_dirs["draft"],
             tokenizer="none", device="cpu", num_speculative_tokens=3, port=0,
-            speculation="fixed", extra_env={"SPECDECODE_OVERLAP": "true"})) as stack:
+            speculation="fixed", draft_confidence=0.0,  # as the in-process engine's draft
+            extra_env={"SPECDECODE_OVERLAP": "true"})) as stack:
         yield stack
 
 

@@ -266,6 +266,7 @@ def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, dra
 
     params = dict(temperature=0.9, top_k=top_k, top_p=1.0, seed=7)
     engine = make_engine(target_model, draft_model, "batch-expansion", 3)
+    engine.proposer.confidence = StackConfig.draft_confidence  # the stack's draft stops as early
     want = engine.generate([Request("x", PROMPTS[3], SamplingParams(max_tokens=20, **params))])
     assert want["x"].stats.draft_tokens > 0
     with SpecDecodeClient(stack.address) as client:
