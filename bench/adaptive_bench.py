@@ -7,7 +7,8 @@ for 1.5B on a mixed prompt set (code, prose, Q&A, copy), against HF `generate`.
 Per dtype, in one run: HF target-only greedy, HF assisted generation (its defaults, and
 constant k, best reported), then the stack (three processes on loopback) at its defaults
 (adaptive k, auto scoring), at k=0 (requests with num_speculative_tokens=0: plain decoding
-through the same stack), at fixed k for both scorers, with the pruned draft head, and with the
+through the same stack), at fixed k for both scorers (the draft proposes k tokens every step:
+no early stop), with the draft head the defaults do not use (whole, or pruned), and with the
 n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "4 streams" runs the
 four classes concurrently. Columns: tokens/s (batch 1: the median over prompts and repeats),
 ratio to HF target-only (same prompts), acceptance, mean chosen k per sequence-step
@@ -209,7 +210,9 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
 @click.option("--fixed-k", default="2,4,8", show_default=True)
 @click.option("--be-k", default=None, help="Fixed k for batch expansion [2,4,8; --quick: 4].")
 @click.option("--hf-k", default=None, help="HF assisted constant k [2,4,8; --quick: 4].")
-@click.option("--draft-vocab", default=32768, show_default=True)
+@click.option("--draft-vocab", default=0 if StackConfig.draft_vocab_size else 32768,
+              show_default=True, help="The `pruned` part's draft head: the one the defaults do "
+              "not use (0 = the whole vocabulary).")
 @click.option("--ngram-k-max", default=str(StackConfig.num_speculative_tokens), show_default=True,
               help="The n-gram stack's --num-speculative-tokens (the most the policy picks), "
                    "one server per value.")
@@ -220,8 +223,8 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
 @click.option("--parts", default="ref,hf,defaults,streams,pruned,fixed,ngram", show_default=True,
               help="ref: HF target-only (the reference for tokens/s and equality); hf: HF "
                    "assisted and prompt lookup; defaults: the stack at its defaults and at "
-                   "k=0; streams: 4 concurrent streams; pruned: defaults with the pruned draft "
-                   "head; fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
+                   "k=0; streams: 4 concurrent streams; pruned: defaults with the other draft "
+                   "head (--draft-vocab); fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
                    "and at k=0.")
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
          ngram_k_max, parts, results, pair) -> None:
@@ -299,7 +302,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                                           device="cpu", dtype=dtype, port=0, **kw))
         draft_path = str(draft_dir)
         if "defaults" in parts:
-            with stack(draft_model=draft_path) as s:  # defaults: adaptive, auto, k <= 4
+            with stack(draft_model=draft_path) as s:  # adaptive k, auto scoring
                 add_paired("stack defaults", "stack k=0", s, None, 0)
                 if "streams" in parts:
                     for label, k in (("stack defaults", None), ("stack k=0", 0)):
@@ -308,12 +311,13 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         if "pruned" in parts:
             with stack(draft_model=draft_path, draft_vocab_size=draft_vocab) as s:
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
-                add(f"stack defaults, draft head {draft_vocab}", outs, chosen)
+                add("stack defaults, whole draft head" if draft_vocab == 0
+                    else f"stack defaults, draft head {draft_vocab}", outs, chosen)
         for scoring, ks in (("multi-query", fixed), ("batch-expansion", be_ks)):
             if "fixed" not in parts or not ks:
                 continue
             with stack(draft_model=draft_path, scoring=scoring, speculation="fixed",
-                       num_speculative_tokens=max(ks)) as s:
+                       num_speculative_tokens=max(ks), draft_confidence=0.0) as s:
                 for k in ks:
                     outs, _, chosen = stack_generate(s, prompts, max_tokens, k, 1)
                     add(f"stack fixed k={k}, {scoring}", outs, chosen)
@@ -338,7 +342,7 @@ def own_zero_of(path: str) -> str | None:
     """The k=0 path a stack path is compared with (the same server's)."""
     if path.startswith("stack n-gram defaults"):
         return path.replace("defaults", "k=0")
-    return OWN_ZERO.get(path.split(", draft head")[0])
+    return OWN_ZERO.get(path.split(",")[0])  # "stack defaults, <draft head>" too
 
 
 def first_rows(rows, path: str) -> list[dict]:
