@@ -663,3 +663,30 @@ def test_a_fresh_servers_first_request_probes_at_its_first_decode_step():
     first = next(i for i, (plan, _) in enumerate(plans) if plan.ks[0])
     assert first == 0 and plans[0][0].explore
     assert max(plan.ks[0] for plan, _ in plans) == 4  # and then speculates on its evidence
+
+
+def test_ngram_copy_on_avx2_costs_speculates_k2_from_its_first_proposal():
+    """bench13's AVX2-bf16 forwards (bench/ceiling.py: a verify of 2, 3, 5, 9 tokens costs
+    1.48, 1.96, 3.66, 6.49 decodes): on a copy task k = 2 is the best k (1.53x a decode's
+    tokens per second, k = 1 1.35x). A copy request's n-gram finds nothing for its first
+    two proposals (the answer's first tokens are not in the prompt yet), then everything is
+    accepted. On a warm server a new copy request proposes 2 from its first step; with
+    trust starting at 1 and doubling it spent its first steps at k = 1 (measured through
+    the stack: 1.04x own k=0 at a mean k of ~1, against a ceiling of 1.22-1.28x)."""
+    ms = {1: 124, 2: 183, 3: 242, 5: 451, 9: 801}
+    costs = ForwardCosts(ROWS, TOKENS, [[r * ms[q] / 1000 for q in TOKENS] for r in ROWS])
+    p = policy(costs, None, k_max=8)
+    for r in range(2):
+        left, ks, asked = 63, [], 0
+        while left > 0:
+            plan = p.plan([Candidate(r, 8, remaining=left)])
+            k = plan.ks[0]
+            n = k if asked >= 2 else 0  # the n-gram finds nothing in its first two tries
+            asked += 1 if k else 0
+            p.observe(r, k, n, n)
+            score_s = 0.004 + costs(1, n + 1)
+            p.observe_step(plan, [n], 0.003 if k else 0.0, score_s, score_s + 0.004)
+            ks.append(k)
+            left -= n + 1
+        p.forget([r])
+    assert ks[:5] == [2] * 5 and sorted(ks)[len(ks) // 2] == 2
