@@ -130,11 +130,20 @@ def hf_generate(target, ids: list[int], max_tokens: int, reference: bool = False
                    greedy_to_eos=greedy_to_eos(new, out.logits, eos_ids(target)) if reference else None)
 
 
-def scrape(port: int) -> tuple[float, float]:
-    """(sum, count) of the orchestrator's specdecode_chosen_k histogram (one model_name label)."""
+def metric_total(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a /metrics page whose labels include `labels`."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    get = lambda name: float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", body, re.M).group(1))  # noqa: E731
-    return get("specdecode_chosen_k_sum"), get("specdecode_chosen_k_count")
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", body, re.M):
+        if all(f'{k}="{v}"' in (m[1] or "") for k, v in labels.items()):
+            total += float(m[2])
+    return total
+
+
+def scrape(port: int) -> tuple[float, float]:
+    """(sum, count) of the orchestrator's specdecode_chosen_k histogram."""
+    return (metric_total(port, "specdecode_chosen_k_sum"),
+            metric_total(port, "specdecode_chosen_k_count"))
 
 
 def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,

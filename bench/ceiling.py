@@ -35,11 +35,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,7 +53,7 @@ from specdecode.models import load_model
 from specdecode_stack.local import LocalStack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
-from adaptive_bench import PROMPTS, hf_generate, pair_dirs  # noqa: E402
+from adaptive_bench import PROMPTS, hf_generate, metric_total, pair_dirs  # noqa: E402
 
 CPU = torch.device("cpu")
 CONTEXT = 64  # cached tokens before a timed forward (a short, warm context)
@@ -105,16 +103,6 @@ def prefill_s(runner: ModelRunner, ids: list[int], repeats: int) -> float:
     return timed(run, repeats)
 
 
-def scrape(port: int, name: str, **labels: str) -> float:
-    """The sum of a metric's samples on a /metrics page whose labels include `labels`."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", body, re.M):
-        if all(f'{k}="{v}"' in (m[1] or "") for k, v in labels.items()):
-            total += float(m[2])
-    return total
-
-
 def stack_overheads(target_dir, draft: str, dtype: str, ks: list[int], ids: list[int],
                     max_tokens: int, console) -> dict[int, dict]:
     """Per k: what a request at fixed k costs the stack beyond its forwards, per step."""
@@ -126,10 +114,10 @@ def stack_overheads(target_dir, draft: str, dtype: str, ks: list[int], ids: list
         ports = stack.metrics_ports
 
         def totals() -> dict[str, float]:
-            t = {"steps": scrape(ports["orchestrator"], "specdecode_steps_total"),
-                 "step_s": scrape(ports["orchestrator"], "specdecode_step_duration_seconds_sum")}
+            t = {"steps": metric_total(ports["orchestrator"], "specdecode_steps_total"),
+                 "step_s": metric_total(ports["orchestrator"], "specdecode_step_duration_seconds_sum")}
             for role in ("scorer", "proposer"):
-                t[role] = scrape(ports[role], "specdecode_model_forward_seconds_sum", role=role)
+                t[role] = metric_total(ports[role], "specdecode_model_forward_seconds_sum", role=role)
             return t
         client.generate(ids, max_tokens=4, num_speculative_tokens=min(ks))  # warm-up
         for k in ks:
