@@ -249,14 +249,18 @@ class SpeculationPolicy:
         if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
             best = best_spec
         at_once = False
-        if best_spec is not None and not any(best.ks) and not self.verify_factor:
-            # Nothing speculative measured yet (a fresh server): could it pay well, fully
-            # accepted at up to the caps (its steady steps: the catch-up is the probe's)?
+        if (best_spec is not None and not any(best.ks) and not self.verify_factor
+                and not all(a.asked for a in est)):
+            # Nothing speculative measured yet (a fresh server) and a sequence that never
+            # speculated (only such a one is due at once): could it pay well, fully accepted
+            # at up to the caps (its steady steps: the catch-up is the probe's)?
             full = [min(c.cap, self.k_max) for c in candidates]
             for K in range(1, max(full) + 1):
                 sure = evaluate([min(K, cap) for cap in full], [1.0] * len(est))
                 steady = sure.seconds - sure.catch_up_s / sure.horizon
-                at_once |= sure.expected_tokens / steady > EXPLORE_AT_ONCE_GAIN * _rate(plain)
+                if sure.expected_tokens / steady > EXPLORE_AT_ONCE_GAIN * _rate(plain):
+                    at_once = True
+                    break
         return self._maybe_explore(best, best_spec, plain, est, candidates, at_once)
 
     def _maybe_explore(self, best: Plan, best_spec: Plan | None, plain: Plan,
