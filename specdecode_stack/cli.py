@@ -216,9 +216,9 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
 @service_limit_options
 @server_options(50052)
 @telemetry_options
-def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len, kv_cache_memory,
-                   max_num_seqs, enforce_eager, trace_console, log_format, max_batch_seqs,
-                   max_speculative_tokens, max_batch_tokens, **server) -> None:
+def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
+                   kv_cache_memory, max_num_seqs, enforce_eager, trace_console, log_format,
+                   max_batch_seqs, max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     from specdecode.limits import ServiceLimits
