@@ -51,7 +51,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.model_packages import fetch
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir

@@ -46,7 +46,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from proposer_svc.pruned_head import prune_lm_head
 from specdecode.model_runner import ModelRunner, RunnerRow
 from specdecode.models import load_model

@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode.models import load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig
 

@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from join_stream import BEFORE, JOIN_AT, gaps_of, stream_with_join
 from tiny_models import TinyModelSpec, build_tiny_model

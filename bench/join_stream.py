@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 
 JOIN_AT, BEFORE, AFTER = 40, 30, 10  # the stream's tokens: join at, measured before, after
 

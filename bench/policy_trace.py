@@ -22,11 +22,11 @@ from pathlib import Path
 import click
 import grpc
 
-from orchestrator.deadlines import ResilienceOptions
-from orchestrator.engine import Request, SpecDecodeEngine
-from orchestrator.fanout import connect_services
-from orchestrator.remote import RemoteProposer, RemoteScorer
-from orchestrator.speculation_policy import SpeculationPolicy
+from orchestrator.engine.deadlines import ResilienceOptions
+from orchestrator.engine.core import Request, SpecDecodeEngine
+from orchestrator.cluster.fanout import connect_services
+from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
+from orchestrator.engine.speculation_policy import SpeculationPolicy
 from specdecode.sequence import SamplingParams
 from specdecode_stack.local import LocalStack, StackConfig
 

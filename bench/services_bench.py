@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, n
 from engine_bench import CODE_PROMPTS  # noqa: E402
 from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
-from orchestrator.client import SpecDecodeClient  # noqa: E402
-from orchestrator.engine import Request  # noqa: E402
+from specdecode.api.client import SpecDecodeClient  # noqa: E402
+from orchestrator.engine.core import Request  # noqa: E402
 from specdecode.model_packages import fetch  # noqa: E402
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402

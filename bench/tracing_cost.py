@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.client import SpecDecodeClient, build_request
+from specdecode.api.client import SpecDecodeClient, build_request
 from specdecode.models import load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 

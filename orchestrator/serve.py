@@ -11,9 +11,9 @@ import asyncio
 import logging
 import os
 
-from orchestrator.admission import AdmissionConfig
-from orchestrator.deadlines import ResilienceOptions
-from orchestrator.remote import ServiceSecurity
+from orchestrator.frontend.admission import AdmissionConfig
+from orchestrator.engine.deadlines import ResilienceOptions
+from orchestrator.cluster.remote import ServiceSecurity
 from specdecode.server import ServerOptions, serve_deferred
 from specdecode.v1 import spec_decode_service_pb2, spec_decode_service_pb2_grpc
 
@@ -43,14 +43,14 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
     503 until the services are checked, and drains with the gRPC server.
     security: how to reach the services (mutual TLS, or a bearer token).
     admission: request limits, concurrency and the per-step token budget (both APIs)."""
-    from orchestrator.admission import Admission, RequestLimits
-    from orchestrator.engine import SpecDecodeEngine
-    from orchestrator.engine_loop import EngineLoop
-    from orchestrator.fanout import connect_services
-    from orchestrator.metrics import WAITING, StepMetrics
-    from orchestrator.generation import ServedModel
-    from orchestrator.servicer import SpecDecodeServicer
-    from orchestrator.speculation_policy import SpeculationPolicy
+    from orchestrator.frontend.admission import Admission, RequestLimits
+    from orchestrator.engine.core import SpecDecodeEngine
+    from orchestrator.engine.loop import EngineLoop
+    from orchestrator.cluster.fanout import connect_services
+    from orchestrator.engine.step_metrics import WAITING, StepMetrics
+    from orchestrator.frontend.generation import ServedModel
+    from orchestrator.frontend.servicer import SpecDecodeServicer
+    from orchestrator.engine.speculation_policy import SpeculationPolicy
     from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
@@ -113,8 +113,8 @@ async def serve_orchestrator(options: ServerOptions, proposer_address: str, scor
 
     companions = []
     if http_port:
-        from orchestrator.http_server import HttpServer
-        from orchestrator.openai_api import create_app
+        from orchestrator.frontend.http_server import HttpServer
+        from orchestrator.frontend.openai_api import create_app
         from specdecode.auth import TokenSet
         tokens = TokenSet(options.auth_token_file) if options.auth_token_file else None
         # A JSON body may spell a prompt less tightly than protobuf: twice its byte limit.

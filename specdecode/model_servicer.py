@@ -11,7 +11,7 @@ from specdecode.model_access import ModelAccess
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
 from specdecode.server import Deferred, map_errors
-from specdecode.token_store import TokenStore, resolve_request
+from specdecode.deltas.store import TokenStore, resolve_request
 from specdecode.v1 import model_info_pb2
 
 

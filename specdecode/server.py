@@ -49,7 +49,7 @@ SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLIN
 
 
 # Let the orchestrator's keepalive pings through (every 5 s, also between calls), instead of
-# answering them with GOAWAY "too_many_pings" (orchestrator.remote.KEEPALIVE_OPTIONS).
+# answering them with GOAWAY "too_many_pings" (orchestrator.cluster.remote.KEEPALIVE_OPTIONS).
 KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
                             ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
                             ("grpc.http2.max_ping_strikes", 0)]

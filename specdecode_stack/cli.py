@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import click
 import grpc
 
-from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate
+from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate
 from scorer_svc.methods import SCORING_CHOICES
 from specdecode.health import ServiceUnreachableError
 from specdecode.auth import read_tokens
@@ -326,9 +326,9 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        sequence_deltas, overlap, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
-    from orchestrator.admission import AdmissionConfig
-    from orchestrator.deadlines import ResilienceOptions
-    from orchestrator.remote import ServiceSecurity
+    from orchestrator.frontend.admission import AdmissionConfig
+    from orchestrator.engine.deadlines import ResilienceOptions
+    from orchestrator.cluster.remote import ServiceSecurity
     from orchestrator.serve import serve_orchestrator as run
     resilience = ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
                                    health_interval, resolve_interval)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.engine import SpecDecodeEngine
-from orchestrator.speculation_policy import SpeculationPolicy
+from orchestrator.engine.core import SpecDecodeEngine
+from orchestrator.engine.speculation_policy import SpeculationPolicy
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head

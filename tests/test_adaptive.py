@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
-from orchestrator.engine import Request
-from orchestrator.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
+from orchestrator.engine.core import Request
+from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
 from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
 from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
@@ -465,8 +465,8 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
 
     import grpc
 
-    from orchestrator.client import SpecDecodeClient
-    from orchestrator.remote import RemoteProposer, RemoteScorer
+    from specdecode.api.client import SpecDecodeClient
+    from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
     from specdecode_stack import local
     from specdecode_stack.local import LocalStack, StackConfig
 

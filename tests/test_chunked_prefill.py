@@ -13,9 +13,9 @@ import torch
 
 from bench.join_stream import BEFORE, stream_with_join
 from bench.tiny_models import build_tiny_model
-from orchestrator.client import SpecDecodeClient
-from orchestrator.engine import Sequence, plan_step
-from orchestrator.prefill_pacing import MIN_CHUNK, PrefillPacer
+from specdecode.api.client import SpecDecodeClient
+from orchestrator.engine.core import Sequence, plan_step
+from orchestrator.engine.prefill_pacing import MIN_CHUNK, PrefillPacer
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.conftest import DRAFT, TARGET, greedy_request, make_engine, reference_greedy
 

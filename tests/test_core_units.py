@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.engine import Request
+from orchestrator.engine.core import Request
 from proposer_svc.ngram import NgramProposer, ngram_lookup
 from specdecode.device import DeviceUnavailableError, resolve_device, resolve_dtype
 from specdecode.model_runner import ModelRunner, RunnerRow

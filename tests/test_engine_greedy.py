@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from orchestrator.engine_loop import EngineLoop
+from orchestrator.engine.loop import EngineLoop
 
 from tests.conftest import greedy_request, make_engine, reference_greedy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine import Request
+from orchestrator.engine.core import Request
 from specdecode.sequence import SamplingParams
 from tests.conftest import chi_square_pvalue, make_engine, target_pair_probs
 

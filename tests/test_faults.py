@@ -21,7 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import wait_process_serving
 from tests.cluster import Cluster
 from tests.conftest import reference_greedy

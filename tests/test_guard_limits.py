@@ -21,7 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.client import SpecDecodeClient, build_request
+from specdecode.api.client import SpecDecodeClient, build_request
 from specdecode import wire
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
@@ -277,7 +277,7 @@ def test_a_non_streamed_http_request_is_cancelled_when_its_client_leaves(stack):
 
 
 def test_http_api_applies_the_grpc_limits(stack):
-    """The OpenAI API goes through the same limits (orchestrator.generation.Frontend): the
+    """The OpenAI API goes through the same limits (orchestrator.frontend.generation.Frontend): the
     issue's rows, sent as JSON, get 400 naming the field, or 413 for a body over the size
     the limits need; the real `openai` client sees OpenAI's error shape."""
     base = f"http://127.0.0.1:{stack.config.http_port}/v1"

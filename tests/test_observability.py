@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from orchestrator.client import GenerateResult, SpecDecodeClient, accumulate, build_request
+from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate, build_request
 from specdecode import wire
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from orchestrator.client import AsyncSpecDecodeClient, SpecDecodeClient
+from specdecode.api.client import AsyncSpecDecodeClient, SpecDecodeClient
 from specdecode.models import load_model, load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 

@@ -8,8 +8,8 @@ def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
     without one); /health stays open, as the gRPC health service does."""
     from fastapi.testclient import TestClient
 
-    from orchestrator.generation import Frontend
-    from orchestrator.openai_api import create_app
+    from orchestrator.frontend.generation import Frontend
+    from orchestrator.frontend.openai_api import create_app
     from specdecode.auth import TokenSet
 
     (tmp_path / "tokens").write_text("# clients\nsecret-1\n")

@@ -7,8 +7,8 @@ import concurrent.futures
 
 import pytest
 
-from orchestrator.client import SpecDecodeClient
-from orchestrator.engine import Request, SpecDecodeEngine
+from specdecode.api.client import SpecDecodeClient
+from orchestrator.engine.core import Request, SpecDecodeEngine
 from specdecode.sequence import SamplingParams
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.conftest import make_engine, reference_greedy

@@ -1,4 +1,4 @@
-"""Tests for orchestrator.rejection_sampler (cases adapted from vLLM's test_rejection_sampler.py)."""
+"""Tests for orchestrator.engine.rejection_sampler (cases adapted from vLLM's test_rejection_sampler.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from scipy import stats
 
-from orchestrator.rejection_sampler import RejectionSampler, proposal_lengths
+from orchestrator.engine.rejection_sampler import RejectionSampler, proposal_lengths
 
 # CPU always; CUDA too where present (the device check), with CUDA generators and RNG.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator import deadlines
-from orchestrator.deadlines import CallTimeout, step_tokens
-from orchestrator.replicas import ReplicaSet
-from orchestrator.routing import HashRing, resolve, split_address
+from orchestrator.engine import deadlines
+from orchestrator.engine.deadlines import CallTimeout, step_tokens
+from orchestrator.cluster.replicas import ReplicaSet
+from orchestrator.cluster.routing import HashRing, resolve, split_address
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
 

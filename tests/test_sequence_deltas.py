@@ -7,13 +7,13 @@ from __future__ import annotations
 import signal
 import time
 
-from orchestrator.client import SpecDecodeClient
-from orchestrator.delta import DeltaEncoder
+from specdecode.api.client import SpecDecodeClient
+from specdecode.deltas.encoder import DeltaEncoder
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode import wire
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
-from specdecode.token_store import TokenStore, extend_hash, resolve_request
+from specdecode.deltas.store import TokenStore, extend_hash, resolve_request
 from tests.conftest import reference_greedy, scrape_metrics
 
 

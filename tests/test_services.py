@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.conftest import reference_greedy, scrape_metrics
 
@@ -260,7 +260,7 @@ def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
 def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, draft_model, top_k):
     """The probability path over the wire (draft q and target p, sparse or dense) changes
     nothing: a seeded sampled request gives the in-process engine's tokens exactly."""
-    from orchestrator.engine import Request
+    from orchestrator.engine.core import Request
     from specdecode.sequence import SamplingParams
     from tests.conftest import make_engine
 
@@ -276,7 +276,7 @@ def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, dra
 
 def test_step_request_is_encoded_once_for_both_services():
     """The proposer and scorer clients share one encoding of the step's request."""
-    from orchestrator.remote import _encode_request
+    from orchestrator.cluster.remote import _encode_request
     from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                      SequenceGroupMetadata)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from orchestrator.client import SpecDecodeClient
+from specdecode.api.client import SpecDecodeClient
 from specdecode.models import load_model, load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig
 

@@ -1,4 +1,4 @@
-"""Tests for orchestrator.spec_metrics (mirroring vLLM's tests/spec_decode/test_metrics.py)."""
+"""Tests for orchestrator.engine.spec_metrics (mirroring vLLM's tests/spec_decode/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from orchestrator.rejection_sampler import RejectionSampler
-from orchestrator.engine import StepStats
-from orchestrator.spec_metrics import (AcceptanceTotals, AsyncMetricsCollector,
+from orchestrator.engine.rejection_sampler import RejectionSampler
+from orchestrator.engine.core import StepStats
+from orchestrator.engine.spec_metrics import (AcceptanceTotals, AsyncMetricsCollector,
                                        SpecDecodeWorkerMetrics)
 
 INTERVAL = 5.0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.engine import Request, SpecDecodeEngine, StepStats
-from orchestrator.metrics import StepMetrics
-from orchestrator.spec_metrics import AsyncMetricsCollector
+from orchestrator.engine.core import Request, SpecDecodeEngine, StepStats
+from orchestrator.engine.step_metrics import StepMetrics
+from orchestrator.engine.spec_metrics import AsyncMetricsCollector
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.sequence import ExecuteModelRequest, SamplingParams

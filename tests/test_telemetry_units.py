@@ -234,7 +234,7 @@ def test_a_failed_step_records_the_error(exporter, target_model, draft_model):
 
 
 def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, draft_model):
-    from orchestrator.engine_loop import EngineLoop
+    from orchestrator.engine.loop import EngineLoop
     engine = make_engine(target_model, draft_model, "batch-expansion", 3)
 
     def broken(*args, **kwargs):  # the prompt's step calls the scorer only
@@ -244,7 +244,7 @@ def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, dr
     handler = logging.Handler()
     handler.addFilter(logs.TraceContextFilter())
     handler.emit = records.append
-    logging.getLogger("orchestrator.engine_loop").addHandler(handler)
+    logging.getLogger("orchestrator.engine.loop").addHandler(handler)
     spans, requests = traced_requests([[5, 17, 99, 3]])
     loop, results = EngineLoop(engine), []
     loop.start()
@@ -256,7 +256,7 @@ def test_a_failed_step_is_logged_in_the_request_trace(exporter, target_model, dr
             time.sleep(0.01)
     finally:
         loop.stop()
-        logging.getLogger("orchestrator.engine_loop").removeHandler(handler)
+        logging.getLogger("orchestrator.engine.loop").removeHandler(handler)
     assert isinstance(results[0], RuntimeError)
     (failed,) = [r for r in records if r.getMessage().startswith("step failed")]
     assert failed.trace_id == format(spans[0].span.get_span_context().trace_id, "032x")

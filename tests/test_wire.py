@@ -395,12 +395,12 @@ def test_malformed_sparse_rows_name_the_field(corrupt, message) -> None:
 
 def test_finish_reasons_and_usage_convert_in_one_place_each():
     """Every finish reason and every usage count survives the wire; the enum and the Usage
-    message are spelled out only in orchestrator/finish_reason.py and orchestrator/usage.py."""
+    message are spelled out only in specdecode/api/finish_reason.py and specdecode/api/usage.py."""
     import re
     from pathlib import Path
 
-    from orchestrator import finish_reason
-    from orchestrator.usage import Usage, openai_usage, usage_from_proto, usage_to_proto
+    from specdecode.api import finish_reason
+    from specdecode.api.usage import Usage, openai_usage, usage_from_proto, usage_to_proto
     for name in ("stop", "length", "cancelled"):
         assert finish_reason.from_proto(finish_reason.to_proto(name)) == name
     assert finish_reason.from_proto(99) == "unknown"
@@ -413,9 +413,9 @@ def test_finish_reasons_and_usage_convert_in_one_place_each():
     assert openai_usage(usage)["total_tokens"] == 12
     assert openai_usage(usage)["speculative"]["acceptance_rate"] == 0.5
     root = Path(__file__).parent.parent
-    homes = {r'FINISH_REASON_|"abort"': "orchestrator/finish_reason.py",
+    homes = {r'FINISH_REASON_|"abort"': "specdecode/api/finish_reason.py",
              r'pb\.Usage\(|Usage\(prompt_tokens=\w+\.prompt_tokens|"total_tokens"':
-             "orchestrator/usage.py"}
+             "specdecode/api/usage.py"}
     for pattern, home in homes.items():
         found = {str(p.relative_to(root)) for folder in ("orchestrator", "specdecode",
                                                            "specdecode_stack")

@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
-from orchestrator import deadlines
-from orchestrator.overlap import OverlapPipeline, Planned
-from orchestrator.prefill_pacing import MIN_CHUNK, PrefillPacer
-from orchestrator.rejection_sampler import RejectionSampler
-from orchestrator.service_stats import ServiceStats, snapshot, step_stats
-from orchestrator.speculation_policy import Candidate, Plan, SpeculationPolicy
+from orchestrator.engine import deadlines
+from orchestrator.engine.overlap import OverlapPipeline, Planned
+from orchestrator.engine.prefill_pacing import MIN_CHUNK, PrefillPacer
+from orchestrator.engine.rejection_sampler import RejectionSampler
+from orchestrator.engine.service_stats import ServiceStats, snapshot, step_stats
+from orchestrator.engine.speculation_policy import Candidate, Plan, SpeculationPolicy
 from specdecode import tracing
+from specdecode.api.usage import Usage
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.sampling import step_generator
@@ -54,28 +55,15 @@ class Request:
 
 
 @dataclass
-class RequestStats:
-    """Per-request usage. accepted_tokens counts the draft tokens the request received (each
-    speculative step's accepted prefix), so accepted_tokens <= emitted_tokens - speculative
-    steps. (The step metrics also count, as vLLM 0.4.2 does, draft tokens that passed the
-    accept test after an earlier rejection: StepStats.accepted_tokens.)"""
-
-    draft_tokens: int = 0
-    accepted_tokens: int = 0  # draft tokens emitted: the accepted prefixes
-    emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted prefix + 1)
-    steps: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
-
-
-@dataclass
 class Sequence:
     seq_id: int
     request: Request
     output_token_ids: list[int] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
+    # Its usage so far; accepted_tokens counts the draft tokens it received (each speculative
+    # step's accepted prefix), so accepted_tokens <= emitted_tokens - speculative steps (the
+    # step metrics also count, as vLLM 0.4.2 does, draft tokens that passed the accept test
+    # after an earlier rejection: StepStats.accepted_tokens).
+    stats: Usage = field(default_factory=Usage)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     # Prompt tokens the services already hold from earlier chunks (chunked prefill).
     prefilled: int = 0
@@ -105,7 +93,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
-    stats: RequestStats
+    stats: Usage  # the sequence's usage, as of this output
     # One per new token when the request asked for logprobs, else None.
     logprobs: list[TokenLogprobs] | None = None
 
@@ -125,7 +113,7 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], n: int) -> list
 @dataclass
 class StepStats:
     """One step, for metrics and traces: the one place acceptance is counted (the Prometheus
-    metrics and vLLM 0.4.2's collector both read it, see orchestrator.metrics)."""
+    metrics and vLLM 0.4.2's collector both read it, see orchestrator.engine.step_metrics)."""
 
     batch_size: int = 0
     k: int = 0  # the step's longest speculation (num_lookahead_slots)
@@ -191,7 +179,7 @@ def plan_step(seqs: list[Sequence], k_of: Callable[[Sequence], int],
     length), whose output is discarded; the services keep its KV state, so the next chunk
     and finally the whole prompt reuse it. The first prompt always gets at least a quarter
     of the budget, so prompts progress however busy the decoding is. Beside decoding
-    sequences, prompts get at most `paced` tokens in all (orchestrator.prefill_pacing:
+    sequences, prompts get at most `paced` tokens in all (orchestrator.engine.prefill_pacing:
     what keeps the step's time near a decode step's)."""
     if budget is None:
         return [(s, None) for s in seqs]
@@ -228,7 +216,7 @@ class SpecDecodeEngine:
         """policy: picks each sequence's k per step (default: fixed k, every sequence
         speculating num_speculative_tokens or its request's smaller value).
         overlap: two groups of sequences alternate between proposer and scorer
-        (orchestrator.overlap); prompts then join whole (no chunked prefill).
+        (orchestrator.engine.overlap); prompts then join whole (no chunked prefill).
         max_num_batched_tokens: tokens one step may compute (None = no limit); longer
         prompts are prefilled in chunks across steps (see plan_step)."""
         if num_speculative_tokens < 0:
@@ -270,7 +258,8 @@ class SpecDecodeEngine:
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
-        self.running[request.request_id] = Sequence(next(self._seq_ids), request)
+        self.running[request.request_id] = Sequence(
+            next(self._seq_ids), request, stats=Usage(prompt_tokens=len(request.prompt_token_ids)))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its sequence is released on both services."""
@@ -497,7 +486,7 @@ class SpecDecodeEngine:
                           for role, after in self._service_counters().items()}
         stats.bytes_sent = sum(s.bytes_sent for s in stats.services.values())
         stats.bytes_received = sum(s.bytes_received for s in stats.services.values())
-        # A step whose proposer failed or timed out (orchestrator.fanout) says nothing of the
+        # A step whose proposer failed or timed out (orchestrator.cluster.fanout) says nothing of the
         # proposer's cost, nor one that computed a prompt of decode or verify costs: their
         # times are not learned.
         if (drafted or not k) and not prefill:
@@ -518,6 +507,7 @@ class SpecDecodeEngine:
                 seq.finish_reason = "stop"
                 break
         seq.output_token_ids += new
+        seq.stats.completion_tokens += len(new)
         if seq.finish_reason is None and len(new) == room:
             seq.finish_reason = "length"
         return new

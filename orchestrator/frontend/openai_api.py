@@ -17,7 +17,7 @@ proposer or scorer cannot be reached, 500 otherwise. Fields this server cannot h
 (`echo`, `suffix`, `best_of` other than n, tools, non-text response formats) are refused
 with 400, never ignored.
 
-The guard is the gRPC API's (orchestrator.generation.Frontend, docs/security.md): bearer
+The guard is the gRPC API's (orchestrator.frontend.generation.Frontend, docs/security.md): bearer
 tokens (401), request bodies over the size the request limits need (413), field limits
 (400 naming the field: prompt length, max_tokens within the model length, stop strings,
 finite temperature/top_p, k at most the server's), and admission: when the running and
@@ -44,12 +44,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from orchestrator import finish_reason
-from orchestrator.admission import Overloaded, Slot
-from orchestrator.engine import TokenLogprobs
-from orchestrator.replicas import ServiceUnavailableError
-from orchestrator.generation import Delta, Frontend, Generation, ServedModel
-from orchestrator.usage import Usage, add_usage, openai_usage
+from specdecode.api import finish_reason
+from orchestrator.frontend.admission import Overloaded, Slot
+from orchestrator.engine.core import TokenLogprobs
+from orchestrator.engine.errors import ServiceUnavailableError
+from orchestrator.frontend.generation import Delta, Frontend, Generation, ServedModel
+from specdecode.api.usage import Usage, add_usage, openai_usage
 from specdecode.auth import TokenSet
 from specdecode.sequence import InvalidRequestError
 

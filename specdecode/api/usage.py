@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from specdecode.v1 import spec_decode_service_pb2 as pb
-
-if TYPE_CHECKING:
-    from orchestrator.engine import RequestStats
 
 
 @dataclass
 class Usage:
-    """Counts of one sample of a request (or a sum over samples)."""
+    """Counts of one sample of a request (or a sum over samples); the engine keeps one per
+    sequence as it runs."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0  # tokens generated and returned
@@ -33,11 +30,6 @@ class Usage:
         """The counts and the acceptance rate (None for NaN), for JSON."""
         rate = self.acceptance_rate
         return {**vars(self), "acceptance_rate": None if math.isnan(rate) else rate}
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int, stats: RequestStats) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, stats.draft_tokens, stats.accepted_tokens,
-                 stats.emitted_tokens, stats.steps)
 
 
 def add_usage(total: Usage, sample: Usage) -> Usage:

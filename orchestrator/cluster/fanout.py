@@ -1,5 +1,5 @@
 """The proposer and scorer as the engine sees them when they run as replicated services: each
-step's batch split into one sub-batch per replica (orchestrator.replicas routes by sequence
+step's batch split into one sub-batch per replica (orchestrator.cluster.replicas routes by sequence
 id), the sub-batches sent in parallel, the results put back in batch order.
 
 - The scorer is required: a sub-batch whose call fails or times out is retried, with
@@ -25,11 +25,12 @@ import torch
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from orchestrator import deadlines
-from orchestrator.deadlines import (CallTimeout, DeadlinePassedError, ResilienceOptions,
+from orchestrator.engine import deadlines
+from orchestrator.engine.deadlines import (CallTimeout, DeadlinePassedError, ResilienceOptions,
                                     step_tokens)
-from orchestrator.remote import RemoteProposer, RemoteScorer, ServiceSecurity
-from orchestrator.replicas import ReplicaSet, ServiceUnavailableError
+from orchestrator.cluster.remote import RemoteProposer, RemoteScorer, ServiceSecurity
+from orchestrator.cluster.replicas import ReplicaSet
+from orchestrator.engine.errors import ServiceUnavailableError
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
@@ -257,7 +258,7 @@ def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str
                      ) -> tuple[RoutedProposer, RoutedScorer, ModelInfo, ModelInfo]:
     """Both services' replica sets, started (ServiceUnreachableError if either has no
     replica SERVING within connect_timeout_s), with their model infos; `security`: TLS and
-    token of their channels; `deltas`: step calls carry sequence deltas (orchestrator.delta),
+    token of their channels; `deltas`: step calls carry sequence deltas (specdecode.deltas.encoder),
     tracked per replica."""
     def replica_set(role: str, spec: str, client) -> ReplicaSet:
         return ReplicaSet(role, spec, lambda channel, address: client(

@@ -1,6 +1,6 @@
 """What each service cost in one step: bytes each way, time busy and idle, full resends.
 
-Remote clients (orchestrator.remote) keep cumulative counters (`bytes_sent`,
+Remote clients (orchestrator.cluster.remote) keep cumulative counters (`bytes_sent`,
 `bytes_received`, `service_seconds` as reported by the service, `full_resends`); the engine
 snapshots them around a step and keeps the difference. In-process parts have no counters:
 their stats stay zero.

@@ -30,8 +30,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge
 
-from orchestrator.remote import ServiceSecurity, open_channel
-from orchestrator.routing import HashRing, resolve
+from orchestrator.cluster.remote import ServiceSecurity, open_channel
+from orchestrator.cluster.routing import HashRing, resolve
 from specdecode.health import UNREACHABLE, ServiceUnreachableError, health_status
 from specdecode.model_info import ModelInfo
 
@@ -49,13 +49,9 @@ REPLICA_FAILURES = Counter("specdecode_replica_failures",
                            ["service", "replica"])
 
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
-# What each replica's client counts (orchestrator.remote), summed over the set.
+# What each replica's client counts (orchestrator.cluster.remote), summed over the set.
 COUNTERS = ("bytes_sent", "bytes_received", "service_seconds", "full_resends")
 HEALTH_TIMEOUT_S = 2.0
-
-
-class ServiceUnavailableError(RuntimeError):
-    """No replica of a service could serve a step within its retry budget."""
 
 
 @dataclass

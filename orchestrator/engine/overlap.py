@@ -36,9 +36,9 @@ from specdecode.sequence import ExecuteModelRequest
 class Planned:
     """A group whose proposals were requested: seqs[i] is row i of req."""
 
-    seqs: list  # [B] orchestrator.engine.Sequence
+    seqs: list  # [B] orchestrator.engine.core.Sequence
     req: ExecuteModelRequest
-    plan: Any  # the speculation plan (orchestrator.speculation_policy.Plan): ks per row
+    plan: Any  # the speculation plan (orchestrator.engine.speculation_policy.Plan): ks per row
     future: concurrent.futures.Future  # -> SpeculativeProposals for the rows in `rows`
     rows: list[int] | None = None  # the rows still running (None = all)
 

@@ -15,7 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from orchestrator.engine import Request, RequestStats, SpecDecodeEngine, StepOutput, StepStats
+from orchestrator.engine.core import Request, SpecDecodeEngine, StepOutput, StepStats
+from specdecode.api.usage import Usage
 from specdecode import tracing
 from specdecode.sequence import InvalidRequestError
 
@@ -145,7 +146,8 @@ class EngineLoop:
 
     def _cancel(self, pending: list[tuple[Request, Sink]]) -> None:
         for request, sink in pending:
-            sink(StepOutput(request.request_id, [], "cancelled", RequestStats()))
+            sink(StepOutput(request.request_id, [], "cancelled",
+                            Usage(prompt_tokens=len(request.prompt_token_ids))))
         for request_id, seq in list(self.engine.running.items()):
             self._guard(self.engine.abort, request_id)
             sink = self._sinks.pop(request_id, None)

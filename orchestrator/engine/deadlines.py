@@ -47,7 +47,7 @@ def step_tokens(req: ExecuteModelRequest) -> int:
     """Tokens a step asks a service to compute at most: a prompt's or a prompt chunk's
     whole length (the prefix so far: a service may also have lost its cache), the k+1
     scored positions of a decoding sequence. A chunk is the only non-prompt row without
-    output tokens (orchestrator.engine._group)."""
+    output tokens (orchestrator.engine.core._group)."""
     k = req.num_lookahead_slots
     return sum(sg.data.get_len() if sg.is_prompt or not sg.data.output_token_ids else k + 1
                for sg in req.seq_group_metadata_list)

@@ -11,7 +11,7 @@ raise; otherwise they emit just their bonus token.
 
 The sampler keeps no state: each call returns the emitted tokens and, per row, how many draft
 tokens passed the accept test. Counting them into metrics is the engine's step stats' job
-(orchestrator.engine.StepStats), as in vLLM v1, where metrics live outside the sampler.
+(orchestrator.engine.core.StepStats), as in vLLM v1, where metrics live outside the sampler.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one request may ask for, and how many may be in the orchestrator at once
 (docs/security.md; invariant 7: work is bounded).
 
-Two small interfaces both public APIs call, through orchestrator.generation.Frontend:
+Two small interfaces both public APIs call, through orchestrator.frontend.generation.Frontend:
 
 - `RequestLimits.check_*`: bounds on a request's fields, checked before any work is spent
   on it (tokenizing a huge text, allocating a sequence); InvalidRequestError names the

@@ -4,7 +4,7 @@ step's request encoded against it.
 
 A sequence travels in full the first time; after that only the tokens appended since the
 service last received it, with the length and hash of the prefix left out
-(`SequenceData.prefix`, see specdecode.token_store). When the service answers that it lacks
+(`SequenceData.prefix`, see specdecode.deltas.store). When the service answers that it lacks
 some prefixes (`missing_seq_ids`: restarted, evicted, another replica), the caller resends
 those sequences in full within the same step, so the output never depends on what a service
 remembers (DESIGN invariant 3).
@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable
 
 from specdecode import wire
 from specdecode.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
-from specdecode.token_store import extend_hash
+from specdecode.deltas.store import extend_hash
 from specdecode.v1 import sequence_pb2
 
 

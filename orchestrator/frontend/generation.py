@@ -20,12 +20,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from orchestrator import metrics, semconv
-from orchestrator.admission import Admission, Overloaded, RequestLimits, Slot
-from orchestrator.engine import Request, RequestStats, StepOutput, TokenLogprobs
-from orchestrator.engine_loop import EngineLoop
-from orchestrator.text import TextStream
-from orchestrator.usage import Usage, add_usage, usage_of
+from orchestrator.frontend import request_metrics as metrics, semconv
+from orchestrator.frontend.admission import Admission, Overloaded, RequestLimits, Slot
+from orchestrator.engine.core import Request, StepOutput, TokenLogprobs
+from orchestrator.engine.loop import EngineLoop
+from orchestrator.frontend.text import TextStream
+from specdecode.api.usage import Usage, add_usage
 from specdecode import tracing
 from specdecode.sequence import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
@@ -273,7 +273,7 @@ class _Sample:
     text: TextStream | None
     output: list[int] = field(default_factory=list)
     last: float = 0.0  # when it last produced tokens
-    stats: RequestStats = field(default_factory=RequestStats)  # as of its last output
+    stats: Usage = field(default_factory=Usage)  # as of its last output
 
     def delta(self, out: StepOutput, loop: EngineLoop) -> Delta:
         self.output += out.new_token_ids
@@ -290,7 +290,7 @@ class _Sample:
                 loop.abort(self.request.request_id)
         usage = None
         if finish:
-            usage = usage_of(len(self.request.prompt_token_ids), len(self.output), out.stats)
+            usage = dataclasses.replace(out.stats, completion_tokens=len(self.output))
         return Delta(self.index, text, list(out.new_token_ids), out.logprobs, finish, usage)
 
 

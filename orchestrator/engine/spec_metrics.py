@@ -1,6 +1,6 @@
 """Acceptance metrics, as vLLM 0.4.2's `spec_decode/metrics.py` defines them.
 
-`AcceptanceTotals` sums the engine's step stats (orchestrator.engine.StepStats, the one place
+`AcceptanceTotals` sums the engine's step stats (orchestrator.engine.core.StepStats, the one place
 acceptance is counted); `AsyncMetricsCollector` turns them into vLLM 0.4.2's
 `SpecDecodeWorkerMetrics` with vLLM's two-call protocol: a call that finds the interval passed
 takes a snapshot and returns None, the next call returns the metrics of that snapshot. vLLM
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from orchestrator.engine import StepStats
+    from orchestrator.engine.core import StepStats
 
 Timer = Callable[[], float]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator import finish_reason
-from orchestrator.usage import Usage, usage_from_proto
+from specdecode.api import finish_reason
+from specdecode.api.usage import Usage, usage_from_proto
 from specdecode.v1 import model_info_pb2
 from specdecode.auth import bearer_metadata
 from specdecode.tls import TlsFiles, channel_credentials

@@ -8,14 +8,15 @@ import time
 
 import grpc
 
-from orchestrator import finish_reason, metrics
-from orchestrator.admission import Admission, Overloaded, RequestLimits
-from orchestrator.engine import TokenLogprobs
-from orchestrator.engine_loop import EngineLoop
-from orchestrator.deadlines import DeadlinePassedError
-from orchestrator.generation import Frontend, Generation, ServedModel
-from orchestrator.replicas import ServiceUnavailableError
-from orchestrator.usage import usage_to_proto
+from orchestrator.frontend import request_metrics as metrics
+from specdecode.api import finish_reason
+from orchestrator.frontend.admission import Admission, Overloaded, RequestLimits
+from orchestrator.engine.core import TokenLogprobs
+from orchestrator.engine.loop import EngineLoop
+from orchestrator.engine.deadlines import DeadlinePassedError
+from orchestrator.frontend.generation import Frontend, Generation, ServedModel
+from orchestrator.engine.errors import ServiceUnavailableError
+from specdecode.api.usage import usage_to_proto
 from specdecode.sequence import InvalidRequestError
 from specdecode.server import Deferred, grpc_status_of, map_errors
 from specdecode.v1 import spec_decode_service_pb2 as pb

@@ -1,6 +1,7 @@
-"""Prometheus metrics of the orchestrator: vLLM 0.4.2's acceptance metrics and serving metrics.
+"""Prometheus metrics of the engine's steps: vLLM 0.4.2's acceptance metrics, step phases and
+wire bytes (the request metrics are orchestrator.frontend.request_metrics).
 
-Everything here is fed by the engine's step stats (orchestrator.engine.StepStats), the one
+Everything here is fed by the engine's step stats (orchestrator.engine.core.StepStats), the one
 place acceptance is counted. The acceptance gauges have vLLM 0.4.2's meanings
 (draft_acceptance_rate = accepted / draft, system_efficiency = emitted / (speculated
 sequences x (k+1)), NaN when a denominator is 0), read at scrape time from the same
@@ -15,8 +16,8 @@ import logging
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.engine import SpecDecodeEngine, StepStats
-from orchestrator.spec_metrics import AcceptanceTotals, AsyncMetricsCollector
+from orchestrator.engine.core import SpecDecodeEngine, StepStats
+from orchestrator.engine.spec_metrics import AcceptanceTotals, AsyncMetricsCollector
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +63,9 @@ SERVICE_IDLE = Histogram("specdecode_step_service_idle_seconds", "Per step, the 
 FULL_RESENDS = Counter("specdecode_full_resends", "Sequences resent in full within a step "
                        "because the service lacked their prefix (restart, eviction, another "
                        "replica).", ["role"])
-REQUESTS = Counter("specdecode_requests", "Requests finished, by outcome.", ["outcome"])
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
                 "yet (they join at the next step boundary).")
-GENERATED = Counter("specdecode_generation_tokens", "Tokens returned to clients.")
-PROMPT = Counter("specdecode_prompt_tokens", "Prompt tokens received.")
-TTFT = Histogram("specdecode_time_to_first_token_seconds", "Time to the first token.",
-                 buckets=LATENCY_BUCKETS)
-ITL = Histogram("specdecode_inter_token_latency_seconds",
-                "Time between streamed messages, per token they carry.", buckets=LATENCY_BUCKETS)
-E2E = Histogram("specdecode_e2e_request_latency_seconds", "Request time, end to end.",
-                buckets=LATENCY_BUCKETS)
-
 
 class StepMetrics:
     """Called by the engine loop after every step (the step's wire bytes are counted by the

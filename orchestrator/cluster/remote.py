@@ -2,7 +2,7 @@
 same one-method interfaces as the in-process proposers and scorers, so the engine cannot
 tell them apart. Each counts the bytes it sends and receives, the sequences it had to resend
 in full, and the time the service reported busy. Step requests carry sequence deltas
-(orchestrator.delta: what this replica last received) unless built with deltas=False.
+(specdecode.deltas.encoder: what this replica last received) unless built with deltas=False.
 
 Every call made under a sampled span gets a CLIENT span, and the current trace context
 travels in the call's metadata (W3C traceparent), so the service's server span is the
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from orchestrator.delta import DeltaEncoder
+from specdecode.deltas.encoder import DeltaEncoder
 from specdecode import tracing, wire
-from orchestrator.routing import split_address
+from orchestrator.cluster.routing import split_address
 from specdecode.auth import with_token
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
@@ -43,7 +43,7 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 # gRPC's own retries, for the idempotent housekeeping calls only: a step call that fails is
-# retried by the orchestrator on another replica (orchestrator.replicas), not on this one.
+# retried by the orchestrator on another replica (orchestrator.cluster.replicas), not on this one.
 _RETRY_POLICY = {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s",
                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
 SERVICE_CONFIG = json.dumps({"methodConfig": [{
