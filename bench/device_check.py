@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.engine.core import Request
+from orchestrator.engine.request import Request
 from scorer_svc.methods import SCORING_METHODS
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.sequence import SamplingParams

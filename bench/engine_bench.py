@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.engine.core import Request, SpecDecodeEngine
+from orchestrator.engine.request import Request
+from orchestrator.engine.core import SpecDecodeEngine
 from scorer_svc.methods import SCORING_METHODS, scorer_class
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.interfaces import SpeculativeProposals

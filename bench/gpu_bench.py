@@ -29,7 +29,7 @@ from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from orchestrator.engine.core import Request  # noqa: E402
+from orchestrator.engine.request import Request  # noqa: E402
 from specdecode.device import resolve_device, resolve_dtype  # noqa: E402
 from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402

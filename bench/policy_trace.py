@@ -22,8 +22,9 @@ from pathlib import Path
 import click
 import grpc
 
-from orchestrator.engine.deadlines import ResilienceOptions
-from orchestrator.engine.core import Request, SpecDecodeEngine
+from orchestrator.config import ResilienceOptions
+from orchestrator.engine.request import Request
+from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.cluster.fanout import connect_services
 from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
 from orchestrator.engine.speculation_policy import SpeculationPolicy
@@ -78,7 +79,7 @@ def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
                         caps=[a.trusted_k() for a in est])
             return explore(best, best_spec, plain, est, *rest)
         policy._maybe_explore = recording
-        engine = SpecDecodeEngine(proposer, scorer, vocab_size=s_info.vocab_size,
+        engine = SpecDecodeEngine(proposer, scorer,
                                   max_model_len=min(p_info.max_model_len, s_info.max_model_len),
                                   num_speculative_tokens=k_max, policy=policy)
         try:
@@ -95,7 +96,7 @@ def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
                     st = engine.last_step
                     total += st.total_s
                     tokens += sum(len(o.new_token_ids) for o in outs)
-                    line = (f"{step:3d} k={st.ks} {'EXPLORE ' if st.explore else ''}"
+                    line = (f"{step:3d} k={st.chosen_k} {'EXPLORE ' if st.explore else ''}"
                             f"behind={list(behind.values())} new={st.new_tokens} "
                             f"acc={st.accepted_tokens}/{st.draft_tokens} "
                             f"meas p/s/t={st.propose_s:.3f}/{st.score_s:.3f}/{st.total_s:.3f}")

@@ -26,7 +26,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from engine_bench import engine  # noqa: E402
 
-from orchestrator.engine.core import Request  # noqa: E402
+from orchestrator.engine.request import Request  # noqa: E402
 from specdecode.model_packages import fetch  # noqa: E402
 from specdecode.models import load_model, load_tokenizer  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402

@@ -51,7 +51,7 @@ from engine_bench import CODE_PROMPTS  # noqa: E402
 from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
 from specdecode.api.client import SpecDecodeClient  # noqa: E402
-from orchestrator.engine.core import Request  # noqa: E402
+from orchestrator.engine.request import Request  # noqa: E402
 from specdecode.model_packages import fetch  # noqa: E402
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402

@@ -1,4 +1,5 @@
 """Draft-model proposer: up to k single-token steps of a small model (top-1, no tree).
+A prompt row proposes nothing; its KV state is computed (a call with k = 0 only does that).
 
 A greedy sequence proposes the draft's argmax; a sampled one draws from the draft's own
 truncated distribution q, which is returned so rejection sampling stays lossless.
@@ -39,11 +40,16 @@ class DraftModelProposer(SpeculativeProposer):
         early_stop = self.confidence > 0.0
         drafted: list[list[int]] = [[] for _ in groups]
         probs = torch.zeros(len(groups), k, self.worker.vocab_size) if want_probs else None
-        for step in range(max(k_seq, default=0)):
+        # Prompt rows (a prompt or its chunk) propose nothing: the first forward computes
+        # their KV state beside the drafting rows, so their first proposal starts warm.
+        prompts = [i for i, sg in enumerate(groups) if sg.is_prompt]
+        for step in range(max(*k_seq, 1 if prompts else 0, 0)):
             active = [i for i, n in enumerate(k_seq) if n > step]
-            if not active:  # every sequence stopped early
+            warm = prompts if step == 0 else []
+            if not active and not warm:  # every sequence stopped early
                 break
-            batch = [groups[i].with_appended(drafted[i]) for i in active]
+            batch = [*(groups[i].with_appended(drafted[i]) for i in active),
+                     *(groups[i] for i in warm)]
             with tracing.child_span("draft_model.forward", {"specdecode.draft_position": step,
                                                               "specdecode.batch_size": len(batch)}):
                 out = self.worker.execute_model(execute_model_req.clone(batch),
@@ -59,7 +65,8 @@ class DraftModelProposer(SpeculativeProposer):
                 if unsure[row]:
                     k_seq[i] = step + 1
         ids, lens = pack_proposals(drafted, k)
-        return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs, proposal_lens=lens)
+        return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs,
+                                    proposal_lens=lens)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         return self.worker.release_sequences(seq_ids)

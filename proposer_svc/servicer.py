@@ -12,7 +12,7 @@ from proposer_svc.pruned_head import prune_lm_head
 from specdecode import wire
 from specdecode.cost_model import calibrate
 from specdecode.interfaces import SpeculativeProposer
-from specdecode.model_info import ModelInfo
+from specdecode.model_info import NGRAM, ModelInfo
 from specdecode.model_loading import ModelOptions, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
 from specdecode.model_servicer import ModelServicer, decode_request
@@ -24,7 +24,7 @@ from specdecode.worker import ModelWorker
 log = logging.getLogger(__name__)
 
 # An n-gram proposer proposes ids taken from the sequence itself: any vocabulary fits.
-NGRAM_INFO = ModelInfo(model_name="ngram", vocab_size=0, tokenizer_fingerprint="",
+NGRAM_INFO = ModelInfo(model_name=NGRAM, vocab_size=0, tokenizer_fingerprint="",
                        max_model_len=2**31 - 1, device="cpu", dtype="", role="proposer")
 
 
@@ -42,7 +42,7 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
     only that many most frequent token ids (0 = all; proposer_svc.pruned_head);
     draft_confidence: a draft stops after a token it was less sure of (0 = never;
     proposer_svc.draft)."""
-    if options.model == "ngram":
+    if options.model == NGRAM:
         return LoadedProposer(NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO, None)
     if draft_vocab_size < 0:
         raise ValueError(f"draft_vocab_size: must be >= 0, got {draft_vocab_size}")
@@ -80,4 +80,4 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
         # The n-gram proposer checks ids against nothing; the scorer validates them.
         if self.info.vocab_size:
             return self.info
-        return ModelInfo("ngram", 2**63 - 1, "", self.info.max_model_len)
+        return ModelInfo(NGRAM, 2**63 - 1, "", self.info.max_model_len)

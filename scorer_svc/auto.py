@@ -25,12 +25,10 @@ class AutoScorer(SpeculativeScorer):
         self.worker, self.costs = worker, costs
         self.scorers = {"multi-query": MultiQueryScorer(worker),
                         "batch-expansion": BatchExpansionTop1Scorer(worker)}
-        self.last_method = ""
 
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals) -> SpeculativeScores:
         method = cheaper_scoring(self.costs, proposals.proposal_lens.tolist())
-        self.last_method = method
         CALLS.labels(method).inc()
         tracing.set_attributes(trace.get_current_span(), {"specdecode.scoring_method": method})
         return self.scorers[method].score_proposals(execute_model_req, proposals)

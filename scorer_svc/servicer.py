@@ -13,7 +13,7 @@ from specdecode.model_info import ModelInfo
 from specdecode.model_loading import ModelOptions, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
 from specdecode.model_servicer import ModelServicer, decode_request
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 from specdecode.server import map_errors
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 from specdecode.worker import ModelWorker
@@ -34,7 +34,7 @@ def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
     runner, fingerprint = load_runner(options)
     costs = calibrate(runner)
     info = model_info_for(runner, options, fingerprint, role="scorer",
-                          scoring_method=scoring.replace("-", "_"), forward_cost=costs)
+                          scoring_method=scoring, forward_cost=costs)
     return LoadedScorer(make_scorer(scoring, ModelWorker(runner, "target"), costs), info, runner)
 
 

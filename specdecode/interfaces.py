@@ -21,6 +21,9 @@ class SpeculativeProposals:
     proposal_probs: torch.Tensor | None
     # [B] long; 0 = this sequence does not speculate this step.
     proposal_lens: torch.Tensor
+    # Sequences whose proposals were lost (a proposer replica failed or timed out): they
+    # decode plainly this step, and the step's proposer time says nothing of its cost.
+    fallback: int = 0
 
     def __repr__(self) -> str:
         probs = None if self.proposal_probs is None else tuple(self.proposal_probs.shape)

@@ -1,4 +1,5 @@
-"""Per-call bounds of the proposer and scorer (docs/security.md; invariant 7).
+"""The limits: per-call bounds of the proposer and scorer, and the constants every bound is
+set from (docs/security.md; invariant 7).
 
 Checked on the protobuf message before it is decoded or any model work starts, so an
 oversized call costs a few microseconds and gets INVALID_ARGUMENT naming the limit. The
@@ -10,14 +11,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 from specdecode.v1 import sequence_pb2
+
+# One constant per limit (the CLI's ranges, the services' defaults, the public API's bounds).
+MAX_K = 16  # draft tokens per sequence and step: the most any server or call allows
+MAX_SAMPLES = 16  # samples of one public request (n)
+# A text prompt longer than this many UTF-8 bytes per allowed prompt token cannot fit: it
+# is refused before it is tokenized (tokenizing 10 MB takes seconds on the event loop).
+TEXT_BYTES_PER_TOKEN = 32
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
 class ServiceLimits:
     max_batch_seqs: int = 256  # sequences in one call
-    max_speculative_tokens: int = 16  # num_lookahead_slots (k) of one call
+    max_speculative_tokens: int = MAX_K  # num_lookahead_slots (k) of one call
     max_batch_tokens: int = 0  # token ids in one call (0 = max_batch_seqs x max model len)
 
     def check(self, m: sequence_pb2.ExecuteModelRequest, max_model_len: int,

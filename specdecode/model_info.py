@@ -10,6 +10,9 @@ if TYPE_CHECKING:  # cost_model loads torch; the command line's client path must
     from specdecode.cost_model import ForwardCosts
 
 
+NGRAM = "ngram"  # the proposer model name (and --model value) of prompt-lookup proposals
+
+
 class IncompatibleModelsError(ValueError):
     pass
 
@@ -23,8 +26,13 @@ class ModelInfo:
     device: str = "cpu"
     dtype: str = "float32"
     role: str = ""  # "proposer" | "scorer"
-    scoring_method: str = ""  # scorer only: batch_expansion | multi_query | auto
+    scoring_method: str = ""  # scorer only: batch-expansion | multi-query | auto
     forward_cost: ForwardCosts | None = None  # measured; None for the n-gram proposer
+
+    @property
+    def is_draft_model(self) -> bool:
+        """A proposer that runs a model (n-gram reports vocab_size 0: no forward, no KV)."""
+        return self.vocab_size > 0
 
 
 def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:
@@ -34,7 +42,7 @@ def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:
     reports vocab_size 0: it proposes ids taken from the sequences themselves, so any
     vocabulary fits.
     """
-    if proposer.vocab_size == 0:
+    if not proposer.is_draft_model:
         return
     problems = [
         f"{name}: proposer {getattr(proposer, name)!r} != scorer {getattr(scorer, name)!r}"

@@ -9,7 +9,8 @@ from specdecode import wire
 from specdecode.limits import ServiceLimits
 from specdecode.model_access import ModelAccess
 from specdecode.model_info import ModelInfo
-from specdecode.sequence import ExecuteModelRequest, InvalidRequestError
+from specdecode.errors import InvalidRequestError
+from specdecode.sequence import ExecuteModelRequest
 from specdecode.server import Deferred, map_errors
 from specdecode.deltas.store import TokenStore, resolve_request
 from specdecode.v1 import model_info_pb2

@@ -7,21 +7,15 @@ no block tables (each service keeps its own KV cache keyed by `cache_id`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.errors import InvalidRequestError
+
 SeqId = int
 TokenId = int
-
-
-class InvalidRequestError(ValueError):
-    """Bad input from a client; `field` names the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.detail = message
 
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
@@ -82,14 +76,15 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def validate(self, vocab_size: int | None = None) -> None:
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        """The distribution's controls (the public API's validator and the services' peer
+        checks both call this; max_tokens is the public request's: frontend.request)."""
+        if not 0.0 <= self.temperature < math.inf:  # also catches NaN
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got "
+                                                     f"{self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 100.0:
@@ -129,9 +124,6 @@ class SequenceData:
 
     def get_token_ids(self) -> list[TokenId]:
         return [*self.prompt_token_ids, *self.output_token_ids]
-
-    def get_last_token_id(self) -> TokenId:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
 
 @dataclass

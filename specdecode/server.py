@@ -24,8 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode import tracing
 from specdecode.auth import BearerAuth, TokenSet
-from specdecode.model_info import IncompatibleModelsError
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import INTERNAL, message_of, status_of
 from specdecode.served_metrics import SERVED
 from specdecode.tls import TlsFiles, server_credentials
 
@@ -102,14 +101,6 @@ def check_port_free(host: str, port: int, what: str) -> None:
                                      f"{exc.strerror}") from None
 
 
-def grpc_status_of(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, IncompatibleModelsError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return grpc.StatusCode.INTERNAL
-
-
 class Deferred:
     """A servicer registered before its model is loaded (gRPC takes no services after
     start): its calls get UNAVAILABLE until `attach` hands it what it serves."""
@@ -127,26 +118,49 @@ class Deferred:
                                 "still loading; retry when health reports SERVING")
 
 
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """Answer `exc` with its status from the one error table (specdecode.errors); the
+    server's own faults are logged with their traceback."""
+    status = status_of(exc)
+    trace.get_current_span().record_exception(exc)
+    if status.server_fault:
+        log.error("%s failed: %s", method, exc, exc_info=status is INTERNAL)
+    await context.abort(status.grpc_code, message_of(exc))
+
+
 def map_errors(method: Callable) -> Callable:
-    """Servicer method decorator: UNAVAILABLE while loading; bad input -> INVALID_ARGUMENT
-    naming the field; anything else -> INTERNAL with the exception's text (logged)."""
+    """Servicer method decorator: UNAVAILABLE while loading; an exception is answered with
+    its status from the error table (bad input: INVALID_ARGUMENT naming the field)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         await self.require_loaded(context)
         try:
             return await method(self, request, context)
-        except (InvalidRequestError, IncompatibleModelsError) as exc:
-            trace.get_current_span().record_exception(exc)
-            await context.abort(grpc_status_of(exc), str(exc))
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AbortError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            trace.get_current_span().record_exception(exc)
-            log.exception("%s failed", method.__qualname__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await abort_with(context, exc, method.__qualname__)
+
+    return wrapper
+
+
+def map_stream_errors(method: Callable) -> Callable:
+    """map_errors for a response-streaming method (an async generator)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        await self.require_loaded(context)
+        responses = method(self, request, context)
+        try:
+            async for response in responses:
+                yield response
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, method.__qualname__)
+        finally:
+            await responses.aclose()
 
     return wrapper
 
@@ -423,9 +437,6 @@ class GrpcServer:
         if drain is not None:
             drain.cancel()
         log.info("stopped")
-
-    def request_stop(self) -> None:
-        self._stopping.set()
 
 
 class Companion(Protocol):

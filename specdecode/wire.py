@@ -23,8 +23,8 @@ from google.protobuf.message import Message
 from specdecode.cost_model import ForwardCosts
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
 from specdecode.model_info import ModelInfo
-from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
-                                 SequenceData, SequenceGroupMetadata)
+from specdecode.errors import InvalidRequestError
+from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData, SequenceGroupMetadata)
 from specdecode.v1 import model_info_pb2, sequence_pb2, speculative_pb2, tensor_pb2
 
 # Wire dtype -> (torch dtype, little-endian numpy dtype of the raw elements).
@@ -330,8 +330,3 @@ def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
         costs = ForwardCosts(rows, tokens, [seconds[i * len(tokens):(i + 1) * len(tokens)]
                                             for i in range(len(rows))])
     return ModelInfo(**fields, forward_cost=costs)
-
-
-def message_bytes(msg: Message) -> int:
-    """Serialized size of a message in bytes (what it costs on the wire, before framing)."""
-    return msg.ByteSize()

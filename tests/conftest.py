@@ -10,7 +10,8 @@ import torch
 from scipy import stats
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
-from orchestrator.engine.core import Request, SpecDecodeEngine
+from orchestrator.engine.request import Request
+from orchestrator.engine.core import SpecDecodeEngine
 from specdecode.model_runner import ModelRunner
 from specdecode.sampling import truncated_probs
 from specdecode.sequence import SamplingParams

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
-from orchestrator.engine.core import Request
+from orchestrator.engine.request import Request
 from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
 from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
 from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import ModelRunner
-from specdecode.sequence import InvalidRequestError, SamplingParams
+from specdecode.errors import InvalidRequestError
+from specdecode.sequence import SamplingParams
 from specdecode.wire import model_info_from_proto, model_info_to_proto
 from specdecode_stack.inprocess import build_inprocess_engine
 from tests.conftest import (CPU, TARGET, chi_square_pvalue, greedy_request, reference_greedy,
@@ -327,7 +328,7 @@ def test_engine_tells_the_policy_what_the_draft_missed(target_model):
     ks = []
     while engine.has_unfinished():
         engine.step()
-        ks.append(engine.last_step.ks[0])
+        ks.append(engine.last_step.chosen_k[0])
     assert seen[1] == [(len(PROMPTS[1]) + 1, MAX_TOKENS - 1)] and ks[1] > 0
     after = [seen[i + 1][0][0] for i, k in enumerate(ks[:-1]) if k]
     assert after and all(b in (1, 2) for b in after)
@@ -425,7 +426,7 @@ def test_greedy_equals_target_with_adaptive_k_auto_scoring_and_pruned_head(
     seqs = dict(engine.running)
     while engine.has_unfinished():
         engine.step()
-        chosen += engine.last_step.ks
+        chosen += engine.last_step.chosen_k
     for i, p in enumerate(PROMPTS):
         assert seqs[str(i)].output_token_ids == reference_greedy(target_model, p, MAX_TOKENS)
     assert any(chosen)  # it did speculate ...

@@ -14,7 +14,8 @@ import torch
 from bench.join_stream import BEFORE, stream_with_join
 from bench.tiny_models import build_tiny_model
 from specdecode.api.client import SpecDecodeClient
-from orchestrator.engine.core import Sequence, plan_step
+from orchestrator.engine.request import Sequence
+from orchestrator.engine.scheduler import plan_step
 from orchestrator.engine.prefill_pacing import MIN_CHUNK, PrefillPacer
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.conftest import DRAFT, TARGET, greedy_request, make_engine, reference_greedy

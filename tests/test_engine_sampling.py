@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.core import Request
+from orchestrator.engine.request import Request
 from specdecode.sequence import SamplingParams
 from tests.conftest import chi_square_pvalue, make_engine, target_pair_probs
 

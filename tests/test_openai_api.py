@@ -68,7 +68,7 @@ def test_models_and_health(stack, client, model_name):
     assert (info.model_name, info.draft_model_name) == (model_name, model_name)
     assert info.vocab_size == 49152
     assert info.num_speculative_tokens == StackConfig.num_speculative_tokens
-    assert info.scoring_method == "multi_query" and info.has_tokenizer
+    assert info.scoring_method == "multi-query" and info.has_tokenizer
     assert info.max_logprobs == 20 and info.max_model_len > 0
 
 

@@ -8,12 +8,13 @@ def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
     without one); /health stays open, as the gRPC health service does."""
     from fastapi.testclient import TestClient
 
+    from orchestrator.frontend.admission import Admission
     from orchestrator.frontend.generation import Frontend
     from orchestrator.frontend.openai_api import create_app
     from specdecode.auth import TokenSet
 
     (tmp_path / "tokens").write_text("# clients\nsecret-1\n")
-    app = create_app(Frontend(), lambda: None, TokenSet(str(tmp_path / "tokens")))
+    app = create_app(Frontend(Admission(1, 0)), TokenSet(str(tmp_path / "tokens")))
     with TestClient(app) as http:
         denied = http.get("/v1/models")
         assert denied.status_code == 401

@@ -8,7 +8,8 @@ import concurrent.futures
 import pytest
 
 from specdecode.api.client import SpecDecodeClient
-from orchestrator.engine.core import Request, SpecDecodeEngine
+from orchestrator.engine.request import Request
+from orchestrator.engine.core import SpecDecodeEngine
 from specdecode.sequence import SamplingParams
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.conftest import make_engine, reference_greedy
@@ -26,8 +27,8 @@ def params(i: int, max_tokens: int = 20) -> SamplingParams:
 
 def engines(target, draft, overlap: bool) -> SpecDecodeEngine:
     base = make_engine(target, draft, "batch-expansion", 3)
-    return SpecDecodeEngine(base.proposer, base.scorer, vocab_size=base.vocab_size,
-                            max_model_len=base.max_model_len, num_speculative_tokens=3,
+    return SpecDecodeEngine(base.proposer, base.scorer, max_model_len=base.max_model_len,
+                            num_speculative_tokens=3,
                             overlap=overlap)
 
 

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.engine.core import Request
+from orchestrator.engine.request import Request
 from specdecode.sequence import SamplingParams
 from tests.conftest import chi_square_pvalue, make_engine
 

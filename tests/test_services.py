@@ -260,7 +260,7 @@ def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
 def test_seeded_sampling_through_grpc_equals_in_process(stack, target_model, draft_model, top_k):
     """The probability path over the wire (draft q and target p, sparse or dense) changes
     nothing: a seeded sampled request gives the in-process engine's tokens exactly."""
-    from orchestrator.engine.core import Request
+    from orchestrator.engine.request import Request
     from specdecode.sequence import SamplingParams
     from tests.conftest import make_engine
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator.engine.rejection_sampler import RejectionSampler
-from orchestrator.engine.core import StepStats
+from orchestrator.engine.step_stats import StepStats
 from orchestrator.engine.spec_metrics import (AcceptanceTotals, AsyncMetricsCollector,
                                        SpecDecodeWorkerMetrics)
 

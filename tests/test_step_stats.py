@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.engine.core import Request, SpecDecodeEngine, StepStats
+from orchestrator.engine.request import Request
+from orchestrator.engine.core import SpecDecodeEngine
+from orchestrator.engine.step_stats import StepStats
 from orchestrator.engine.step_metrics import StepMetrics
 from orchestrator.engine.spec_metrics import AsyncMetricsCollector
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
@@ -38,8 +40,8 @@ class ScriptedScorer(SpeculativeScorer):
 
 
 def run(script: list[list[int]], max_tokens: int) -> tuple[list[StepStats], object]:
-    engine = SpecDecodeEngine(FixedProposer(), ScriptedScorer(script), vocab_size=16,
-                              max_model_len=64, num_speculative_tokens=K)
+    engine = SpecDecodeEngine(FixedProposer(), ScriptedScorer(script), max_model_len=64,
+                              num_speculative_tokens=K)
     engine.add_request(Request("r", [4, 4], SamplingParams(max_tokens=max_tokens)))
     steps, stats = [], None
     while engine.has_unfinished():
@@ -64,8 +66,8 @@ def test_one_step_stats_feed_prometheus_and_the_vllm_collector():
     steps, usage = run([[9, -1, -1, -1], [5, 2, 3, 7], [1, 2, 0, 7]], max_tokens=5)
     assert steps[2].accepted_tokens == 2 and steps[2].accepted_by_position == [1, 1, 0]
     assert (usage.draft_tokens, usage.accepted_tokens, usage.emitted_tokens) == (6, 2, 4)
-    engine = SpecDecodeEngine(FixedProposer(), ScriptedScorer([]), vocab_size=16,
-                              max_model_len=64, num_speculative_tokens=K)
+    engine = SpecDecodeEngine(FixedProposer(), ScriptedScorer([]), max_model_len=64,
+                              num_speculative_tokens=K)
     metrics = StepMetrics(engine, log_interval_s=0.0)
     for step in steps:
         metrics(step)

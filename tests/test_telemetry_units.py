@@ -22,7 +22,7 @@ from opentelemetry.trace import StatusCode
 from opentelemetry.util._once import Once
 
 from specdecode import logs, otel_setup, tracing
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 from specdecode.served_metrics import ModelNameLabel
 from specdecode.server import Deferred, ServerTracing, map_errors
 from tests.conftest import greedy_request, make_engine

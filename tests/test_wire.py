@@ -7,8 +7,8 @@ import torch
 
 from specdecode import wire
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
-from specdecode.sequence import (ExecuteModelRequest, InvalidRequestError, SamplingParams,
-                                 SequenceData, SequenceGroupMetadata)
+from specdecode.errors import InvalidRequestError
+from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData, SequenceGroupMetadata)
 from specdecode.v1 import (proposer_service_pb2, scorer_service_pb2, sequence_pb2,
                            speculative_pb2, tensor_pb2)
 
@@ -90,8 +90,7 @@ def test_float32_block_travels_as_raw_bytes() -> None:
     t = torch.rand(8, 5, 1000)
     m = wire.tensor_to_proto(t)
     assert len(m.data) == 8 * 5 * 1000 * 4
-    assert 160_000 < wire.message_bytes(m) < 160_000 + 32
-    assert wire.message_bytes(m) == len(m.SerializeToString())
+    assert 160_000 < m.ByteSize() < 160_000 + 32
 
 
 # --- request ------------------------------------------------------------------------------
@@ -235,7 +234,6 @@ def test_rpc_messages_carry_the_codec_output() -> None:
     parsed = scorer_service_pb2.ScoreProposalsRequest.FromString(msg.SerializeToString())
     assert wire.request_from_proto(parsed.request) == req
     assert_proposals_equal(p, wire.proposals_from_proto(parsed.proposals, batch_size=3))
-    assert wire.message_bytes(msg) == len(msg.SerializeToString())
 
 
 def _bad_proposals(case: str) -> tuple[speculative_pb2.SpeculativeProposals, str]:
@@ -322,12 +320,11 @@ def test_bfloat16_probs_are_accepted() -> None:
     assert_proposals_equal(p, wire.proposals_from_proto(wire.proposals_to_proto(p)))
 
 
-def test_message_bytes_counts_a_step() -> None:
+def test_a_step_costs_its_raw_tensor_bytes() -> None:
     s = make_scores(True, False)
     m = wire.scores_to_proto(s)
     raw = s.probs.numel() * 4 + s.token_ids.numel() * 8
-    assert raw < wire.message_bytes(m) < raw + 64
-    assert wire.message_bytes(m) == len(m.SerializeToString())
+    assert raw < m.ByteSize() < raw + 64
 
 
 # --- sparse probability rows -----------------------------------------------------------------

@@ -26,11 +26,11 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from orchestrator.engine import deadlines
-from orchestrator.engine.deadlines import (CallTimeout, DeadlinePassedError, ResilienceOptions,
-                                    step_tokens)
-from orchestrator.cluster.remote import RemoteProposer, RemoteScorer, ServiceSecurity
+from orchestrator.config import ResilienceOptions, ServiceSecurity
+from orchestrator.engine.deadlines import CallTimeout, step_tokens
+from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
 from orchestrator.cluster.replicas import ReplicaSet
-from orchestrator.engine.errors import ServiceUnavailableError
+from specdecode.errors import DeadlinePassedError, ServiceUnavailableError
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
@@ -221,7 +221,6 @@ class RoutedScorer(_Routed, SpeculativeScorer):
 class RoutedProposer(_Routed, SpeculativeProposer):
     # Any failure of the optional proposer means no proposals from that replica this step.
     replica_failure = staticmethod(lambda exc: True)
-    last_fallback = 0
 
     def get_proposals(self, execute_model_req: ExecuteModelRequest) -> SpeculativeProposals:
         req = execute_model_req
@@ -240,7 +239,6 @@ class RoutedProposer(_Routed, SpeculativeProposer):
                 ids[rows], lens[rows] = proposals.proposal_token_ids, proposals.proposal_lens
                 probs = _put_rows(probs, rows, proposals.proposal_probs, (B, k), 0.0)
             lost = B - sum(len(rows) for rows, _ in done.values())
-        self.last_fallback = lost  # sequences without proposals in this call
         if lost:
             FALLBACK_STEPS.inc()
             FALLBACK_SEQUENCES.inc(lost)
@@ -249,7 +247,7 @@ class RoutedProposer(_Routed, SpeculativeProposer):
             span.set_attributes({"specdecode.proposer.fallback": bool(lost),
                                  "specdecode.proposer.fallback_sequences": lost})
         return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs,
-                                    proposal_lens=lens)
+                                    proposal_lens=lens, fallback=lost)
 
 
 def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str, int]],

@@ -12,11 +12,11 @@ no span and send no context."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from orchestrator.config import ServiceSecurity
 from specdecode.deltas.encoder import DeltaEncoder
 from specdecode import tracing, wire
 from orchestrator.cluster.routing import split_address
@@ -25,7 +25,7 @@ from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, Sp
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest
-from specdecode.tls import TlsFiles, channel_credentials
+from specdecode.tls import channel_credentials
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
@@ -51,15 +51,6 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
              for service in ("ProposerService", "ScorerService")
              for method in ("GetModelInfo", "ReleaseSequences")],
     "retryPolicy": _RETRY_POLICY}]})
-
-
-@dataclass(frozen=True)
-class ServiceSecurity:
-    """How the orchestrator reaches the services: TLS (trusting tls.ca, presenting
-    tls.cert as its client certificate) and/or a bearer token on every call."""
-
-    tls: TlsFiles | None = None
-    token: str | None = None
 
 
 def open_channel(address: str, options: list[tuple[str, int]],

@@ -30,7 +30,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge
 
-from orchestrator.cluster.remote import ServiceSecurity, open_channel
+from orchestrator.cluster.remote import open_channel
+from orchestrator.config import ServiceSecurity
 from orchestrator.cluster.routing import HashRing, resolve
 from specdecode.health import UNREACHABLE, ServiceUnreachableError, health_status
 from specdecode.model_info import ModelInfo

@@ -24,10 +24,6 @@ _step_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "specdecode_step_deadline", default=None)
 
 
-class DeadlinePassedError(RuntimeError):
-    """Every request of the step is past its client's deadline (DEADLINE_EXCEEDED)."""
-
-
 @contextmanager
 def bounded_by(deadline: float | None) -> Iterator[None]:
     token = _step_deadline.set(deadline)
@@ -76,14 +72,3 @@ class CallTimeout:
         """Record a successful call."""
         if tokens > 0:
             self.seconds_per_token += self.smoothing * (seconds / tokens - self.seconds_per_token)
-
-
-@dataclass(frozen=True)
-class ResilienceOptions:
-    """Deadlines, retries and replica checks (the orchestrator's CLI options)."""
-
-    proposer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
-    scorer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
-    scorer_retry_s: float = 10.0  # how long a step retries its scorer calls
-    health_interval_s: float = 1.0  # replica health checks
-    resolve_interval_s: float = 10.0  # DNS re-resolution of the service names

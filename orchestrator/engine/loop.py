@@ -15,10 +15,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-from orchestrator.engine.core import Request, SpecDecodeEngine, StepOutput, StepStats
+from orchestrator.engine.request import Request, StepOutput
+from orchestrator.engine.core import SpecDecodeEngine
+from orchestrator.engine.step_stats import StepStats
 from specdecode.api.usage import Usage
 from specdecode import tracing
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

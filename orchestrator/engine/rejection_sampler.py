@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sequence import InvalidRequestError
+from specdecode.errors import InvalidRequestError
 
 Generators = list[torch.Generator | None] | None
 

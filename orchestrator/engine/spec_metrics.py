@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from orchestrator.engine.core import StepStats
+    from orchestrator.engine.step_stats import StepStats
 
 Timer = Callable[[], float]
 

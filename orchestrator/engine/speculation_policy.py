@@ -202,7 +202,7 @@ class SpeculationPolicy:
         self.scorer_costs, self.draft_costs, self.draft_model = scorer_costs, draft_costs, draft_model
         self.adaptive = adaptive and scorer_costs is not None and (
             draft_costs is not None or not draft_model)
-        self.scoring = scoring.replace("_", "-")
+        self.scoring = scoring
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
         self.measure_overheads = measure_overheads

@@ -16,7 +16,8 @@ import logging
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.engine.core import SpecDecodeEngine, StepStats
+from orchestrator.engine.core import SpecDecodeEngine
+from orchestrator.engine.step_stats import StepStats
 from orchestrator.engine.spec_metrics import AcceptanceTotals, AsyncMetricsCollector
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class StepMetrics:
             if count:
                 ACCEPTED_AT.labels(str(position)).inc(count)
         NUM_SPEC_TOKENS.set(step.k)
-        for k in step.ks:
+        for k in step.chosen_k:
             CHOSEN_K.observe(k)
         BATCH.observe(step.batch_size)
         STEP_SECONDS.observe(step.total_s)

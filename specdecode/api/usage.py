@@ -21,6 +21,15 @@ class Usage:
     emitted_tokens: int = 0  # tokens emitted by speculative steps (accepted + one per step)
     steps: int = 0  # decoding steps taken part in
 
+    def observe_step(self, proposed: int, emitted: int) -> None:
+        """One decoding step: `proposed` draft tokens (0: it did not speculate), `emitted`
+        tokens (a speculative step's accepted prefix + 1)."""
+        self.steps += 1
+        if proposed:
+            self.draft_tokens += proposed
+            self.accepted_tokens += emitted - 1
+            self.emitted_tokens += emitted
+
     @property
     def acceptance_rate(self) -> float:
         """accepted / draft tokens; NaN when nothing was drafted."""

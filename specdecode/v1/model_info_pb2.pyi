@@ -72,7 +72,7 @@ class ModelInfo(_message.Message):
     role: _builtins.str
     """Which service answered: "proposer" or "scorer"."""
     scoring_method: _builtins.str
-    """Scorer only: how proposals are scored, "batch_expansion", "multi_query", or "auto"
+    """Scorer only: how proposals are scored, "batch-expansion", "multi-query", or "auto"
     (the scorer picks the cheaper of the two for each call from forward_cost).
     Empty for a proposer.
     """

@@ -79,7 +79,7 @@ class GetModelInfoResponse(_message.Message):
     max_speculative_tokens: _builtins.int
     """The most speculative tokens a request may ask for."""
     scoring_method: _builtins.str
-    """How the target scores proposals: "batch_expansion" or "multi_query"."""
+    """How the target scores proposals: "batch-expansion", "multi-query" or "auto"."""
     has_tokenizer: _builtins.bool
     """True when the server has a tokenizer (text prompts and stop strings work)."""
     max_logprobs: _builtins.int

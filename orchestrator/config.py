@@ -1,0 +1,75 @@
+"""The orchestrator's configuration: one object, built once from the command line
+(specdecode_stack.cli) and handed to `serve`, which composes the engine, the cluster and the
+frontend from it. Plain dataclasses: importing this module starts nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdecode.limits import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                               MAX_STOP_TOKEN_IDS, TEXT_BYTES_PER_TOKEN)
+from specdecode.server import ServerOptions
+from specdecode.tls import TlsFiles
+
+SPECULATION = ("adaptive", "fixed")
+
+
+@dataclass(frozen=True)
+class ResilienceOptions:
+    """Deadlines, retries and replica checks."""
+
+    proposer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
+    scorer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
+    scorer_retry_s: float = 10.0  # how long a step retries its scorer calls
+    health_interval_s: float = 1.0  # replica health checks
+    resolve_interval_s: float = 10.0  # DNS re-resolution of the service names
+
+
+@dataclass(frozen=True)
+class ServiceSecurity:
+    """How the orchestrator reaches the services: TLS (trusting tls.ca, presenting
+    tls.cert as its client certificate) and/or a bearer token on every call."""
+
+    tls: TlsFiles | None = None
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Request limits, concurrency and the per-step token budget (both public APIs)."""
+
+    max_prompt_tokens: int = 0  # 0 = the model length less one
+    max_running: int = 64  # sequences decoded at once
+    max_queued: int = 256  # requests waiting for a running slot
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    default_max_tokens: int = 256  # a request's max_tokens when it sets none
+    # Upper bound of the model length, for the request-size limit before the model is
+    # known (the public API's message-size limit is set when the server starts).
+    max_model_len_hint: int = 32768
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest GenerateRequest worth reading: a prompt of max_prompt_tokens ids (10
+        bytes each at most as varints) or of text, plus stop strings and the rest."""
+        tokens = self.max_prompt_tokens or self.max_model_len_hint
+        return (max(tokens * 10, tokens * TEXT_BYTES_PER_TOKEN)
+                + MAX_STOP_STRINGS * (MAX_STOP_STRING_CHARS * 4 + 8)
+                + MAX_STOP_TOKEN_IDS * 11 + MAX_REQUEST_ID_CHARS * 4 + 1024)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    server: ServerOptions = field(default_factory=ServerOptions)
+    proposer: str = "127.0.0.1:50052"  # replicas: HOST:PORT[,...] or a name resolving to many
+    scorer: str = "127.0.0.1:50053"
+    tokenizer: str | None = "default"  # a directory or .gguf, "default" (SmolLM2's), "none"
+    num_speculative_tokens: int = 8  # k: what every sequence may speculate at most
+    speculation: str = "adaptive"  # adaptive (k per sequence and step) or fixed (always k)
+    connect_timeout_s: float = 60.0  # to reach both services at start
+    trace_every: int = 1  # keep every Nth step span (1 = all, 0 = request spans only)
+    http_port: int = 0  # the OpenAI-compatible HTTP API on the same host (0 = off)
+    sequence_deltas: bool = True  # step calls send what each replica lacks
+    overlap: bool = False  # two groups alternate between proposer and scorer
+    resilience: ResilienceOptions = ResilienceOptions()
+    security: ServiceSecurity = ServiceSecurity()
+    admission: AdmissionConfig = AdmissionConfig()
