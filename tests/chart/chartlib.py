@@ -25,6 +25,9 @@ VALUE_SETS = {
     "cpu": [EXAMPLES / "cpu.yaml"],
     "nvidia": [EXAMPLES / "nvidia.yaml"],
     "npu-autoscale": [EXAMPLES / "npu-autoscale.yaml"],
+    "gateway": [EXAMPLES / "gateway.yaml"],
+    "ingress": [EXAMPLES / "ingress.yaml"],
+    "cluster-fit": [EXAMPLES / "cluster-fit.yaml"],
 }
 RELEASE = "sd"
 NAMESPACE = "llm"

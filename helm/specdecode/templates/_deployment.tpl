@@ -85,9 +85,12 @@ spec:
       {{- with $v.priorityClassName }}
       priorityClassName: {{ . }}
       {{- end }}
-      {{- if and $mountsModels (eq $root.Values.models.source "initContainer") }}
-      {{- $init := $root.Values.models.initContainer }}
+      {{- $modelsInit := and $mountsModels (eq $root.Values.models.source "initContainer") }}
+      {{- if or $modelsInit $v.initContainers }}
       initContainers:
+      {{- end }}
+      {{- if $modelsInit }}
+      {{- $init := $root.Values.models.initContainer }}
         - name: prepare-models
           image: {{ include "specdecode.image" (dict "root" $root "image" $init.image) | quote }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
@@ -116,6 +119,9 @@ spec:
             {{- include "specdecode.scratchMounts" $root | nindent 12 }}
             - name: models
               mountPath: {{ $root.Values.models.mountPath }}
+      {{- end }}
+      {{- with $v.initContainers }}
+        {{- toYaml . | nindent 8 }}
       {{- end }}
       containers:
         - name: {{ $c }}
@@ -160,6 +166,10 @@ spec:
             {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+          {{- with $v.envFrom }}
+          envFrom:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
           {{- include "specdecode.probes" (dict "root" $root "values" $v "component" $c) | trim | nindent 10 }}
           {{- if $root.Values.preStopSleepSeconds }}
           lifecycle:
@@ -200,6 +210,16 @@ spec:
               readOnly: true
             {{- end }}
             {{- end }}
+            {{- if $v.shm.enabled }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- with $v.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+        {{- with $v.sidecars }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       volumes:
         {{- include "specdecode.scratchVolumes" $root | nindent 8 }}
         {{- if $root.Values.tls.enabled }}
@@ -225,6 +245,18 @@ spec:
             type: {{ . }}
             {{- end }}
         {{- end }}
+        {{- end }}
+        {{- if $v.shm.enabled }}
+        # /dev/shm in memory: the container runtime's default is 64 MiB.
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            {{- with $v.shm.sizeLimit }}
+            sizeLimit: {{ . }}
+            {{- end }}
+        {{- end }}
+        {{- with $v.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- with $nodeSelector }}
       nodeSelector:

@@ -40,6 +40,9 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: {{ include "specdecode.name" . }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -83,16 +86,28 @@ Call with (dict "root" $ "component" "scorer").
 {{- end }}
 
 {{/*
-Image reference. Call with (dict "root" $ "image" <override with repository and tag>).
+Image reference: [global.imageRegistry/]repository, then @digest or :tag. A component's override
+(repository, tag, digest) replaces the top-level image's; the top-level digest is kept only
+when the override names neither a repository nor a tag.
+Call with (dict "root" $ "image" <override with repository, tag and digest>).
 */}}
 {{- define "specdecode.image" -}}
 {{- $repository := .root.Values.image.repository }}
 {{- $tag := default .root.Chart.AppVersion .root.Values.image.tag }}
+{{- $digest := .root.Values.image.digest }}
 {{- with .image }}
+{{- if or .repository .tag .digest }}{{ $digest = .digest }}{{ end }}
 {{- if .repository }}{{ $repository = .repository }}{{ end }}
 {{- if .tag }}{{ $tag = .tag }}{{ end }}
 {{- end }}
+{{- with (.root.Values.global | default dict).imageRegistry }}
+{{- $repository = printf "%s/%s" (trimSuffix "/" .) $repository }}
+{{- end }}
+{{- if $digest }}
+{{- printf "%s@%s" $repository $digest }}
+{{- else }}
 {{- printf "%s:%s" $repository (toString $tag) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -363,12 +378,20 @@ Checks on values that the schema cannot express; rendering fails with a clear me
 {{- if gt (int .minReplicas) (int .maxReplicas) }}
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than maxReplicas (%d)" $c (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
-{{- if and (eq (int .targetCPUUtilizationPercentage) 0) (eq (int .targetMemoryUtilizationPercentage) 0) (eq (int (.runningSequencesPerPod | default 0)) 0) }}
-{{- fail (printf "%s.autoscaling is enabled but has no target: set %stargetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" $c (ternary "runningSequencesPerPod, " "" (eq $c "orchestrator"))) }}
+{{- $sequences := and (gt (int (.runningSequencesPerPod | default 0)) 0) $v.prometheusAdapter.enabled }}
+{{- if and (ne $c "scorer") (eq (int .targetCPUUtilizationPercentage) 0) (eq (int .targetMemoryUtilizationPercentage) 0) (not $sequences) }}
+{{- if eq $c "orchestrator" }}
+{{- fail "orchestrator.autoscaling is enabled but has no target it can use: runningSequencesPerPod needs prometheusAdapter.enabled=true (prometheus-adapter serving specdecode_running_sequences, see the chart README), or set targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" }}
+{{- end }}
+{{- fail (printf "%s.autoscaling is enabled but has no target: set targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage" $c) }}
+{{- end }}
+{{- if and (eq $c "scorer") (eq .mode "hpa") (not $v.prometheusAdapter.enabled) }}
+{{- fail "scorer.autoscaling.mode is hpa, whose External metric needs prometheusAdapter.enabled=true (prometheus-adapter serving specdecode_waiting_requests, see the chart README); or use mode keda" }}
 {{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- include "specdecode.validateRoutes" . }}
 {{- range $c := list "proposer" "scorer" "orchestrator" }}
 {{- $cv := index $v $c }}
 {{- if eq (int $cv.port) (int $cv.metricsPort) }}
@@ -404,4 +427,48 @@ renders a JSON list, read back with fromJsonArray.
 {{- $args = concat $args (list "--auth-token-file" (printf "/etc/specdecode/auth/%s" $root.Values.auth.tokenKey)) }}
 {{- end }}
 {{- toJson $args }}
+{{- end }}
+
+{{/*
+PromQL label matchers that pick this release's series (alerts, the KEDA trigger).
+*/}}
+{{- define "specdecode.metricsSelector" -}}
+{{- .Values.metrics.prometheusRule.selector | default (printf "namespace=%q, job=~%q" .Release.Namespace (printf "%s-.*" (include "specdecode.fullname" .))) }}
+{{- end }}
+
+{{/*
+Checks on the orchestrator's routes (Gateway API, InferencePool).
+*/}}
+{{- define "specdecode.validateRoutes" -}}
+{{- $o := .Values.orchestrator }}
+{{- $gw := $o.gateway }}
+{{- if $gw.enabled }}
+{{- if and (not $gw.parentRefs) (not $gw.create.enabled) }}
+{{- fail "orchestrator.gateway is enabled but attaches to no Gateway: set orchestrator.gateway.parentRefs or orchestrator.gateway.create.enabled" }}
+{{- end }}
+{{- if and $gw.http.enabled (eq (int $o.httpPort) 0) }}
+{{- fail "orchestrator.gateway.http routes the HTTP API, which is off (orchestrator.httpPort 0): set httpPort or gateway.http.enabled=false" }}
+{{- end }}
+{{- if $gw.create.enabled }}
+{{- if not (and $gw.create.className $gw.create.tlsSecretName) }}
+{{- fail "orchestrator.gateway.create needs className (your GatewayClass) and tlsSecretName (the listeners' certificate)" }}
+{{- end }}
+{{- range $route := list "http" "grpc" }}
+{{- if and (index $gw $route).enabled (not (index $gw $route).hostnames) }}
+{{- fail (printf "orchestrator.gateway.%s.hostnames: the chart's Gateway gives each host name an HTTPS listener; name at least one" $route) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $o.ingress.enabled $o.ingress.http.enabled (eq (int $o.httpPort) 0) }}
+{{- fail "orchestrator.ingress.http routes the HTTP API, which is off (orchestrator.httpPort 0): set httpPort or ingress.http.enabled=false" }}
+{{- end }}
+{{- if $o.inferencePool.enabled }}
+{{- if eq (int $o.httpPort) 0 }}
+{{- fail "orchestrator.inferencePool pools the HTTP API, which is off (orchestrator.httpPort 0)" }}
+{{- end }}
+{{- if not $o.inferencePool.endpointPicker.name }}
+{{- fail "orchestrator.inferencePool.endpointPicker.name: name the endpoint picker's Service" }}
+{{- end }}
+{{- end }}
 {{- end }}
