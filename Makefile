@@ -22,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 tools: setup
 	scripts/install-buf.sh
 	PYTHON=$(PY) scripts/install-chart-tools.sh
+	scripts/install-prometheus.sh
 
 demo: setup
 	$(VENV)/bin/specdecode demo

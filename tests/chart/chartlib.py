@@ -33,12 +33,21 @@ RELEASE = "sd"
 NAMESPACE = "llm"
 
 
-def find_helm() -> str | None:
-    candidates = [os.environ.get("HELM"), str(ROOT / ".cache" / "tools" / "bin" / "helm"), shutil.which("helm")]
+def find_tool(name: str) -> str | None:
+    """$NAME, .cache/tools/bin/<name> or <name> on PATH, whichever is an executable first."""
+    candidates = [os.environ.get(name.upper()), str(ROOT / ".cache" / "tools" / "bin" / name), shutil.which(name)]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     return None
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    binary = find_tool("promtool")
+    if binary is None:
+        pytest.fail("promtool not found in .cache/tools/bin or on PATH: run scripts/install-prometheus.sh")
+    return binary
 
 
 class Helm:
@@ -83,7 +92,7 @@ class Helm:
 
 @pytest.fixture(scope="session")
 def helm() -> Helm:
-    binary = find_helm()
+    binary = find_tool("helm")
     if binary is None:
         pytest.fail(f"helm not found in .cache/tools/bin or on PATH: {INSTALL_HINT}")
     version = subprocess.run([binary, "version", "--template", "{{.Version}}"], capture_output=True, text=True)

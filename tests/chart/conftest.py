@@ -5,4 +5,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chartlib import helm, rendered, value_set  # noqa: E402,F401  (fixtures)
+from chartlib import helm, promtool, rendered, value_set  # noqa: E402,F401  (fixtures)
