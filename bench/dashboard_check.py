@@ -1,0 +1,241 @@
+"""Every query of dashboards/specdecode.json, evaluated by a real Prometheus scraping a real
+local stack, as Grafana would send it.
+
+    python bench/dashboard_check.py                 # SmolLM2-135M target, n-gram proposer
+    python bench/dashboard_check.py --pair tiny     # tiny random Llama pair: CI size, seconds
+
+Starts the stack (specdecode_stack.local.LocalStack) and Prometheus (scripts/install-prometheus.sh
+puts Debian's build in .cache/tools/bin) scraping the three metrics ports every second, with
+a `namespace` label as a Kubernetes scrape would add. Then two phases:
+
+1. requests with speculation off (num_speculative_tokens 0): the acceptance panels' ratios
+   are 0/0 (NaN), and each must map NaN to its "no speculation" text;
+2. requests with speculation: every target of every panel must return at least one series,
+   every value finite, with the dashboard's variables as a user picks them (the target
+   model and the draft model each from their own variable query).
+
+Prints a table (panel, legend, series, values) and writes bench/results/dashboard_check.json;
+exits 1 when a panel shows no data or NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "dashboards" / "specdecode.json"
+RESULTS = ROOT / "bench" / "results" / "dashboard_check.json"
+NAMESPACE = "local"
+WINDOW = "30s"  # $__rate_interval: every phase's samples, at one scrape a second
+PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
+           "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
+
+
+@dataclass
+class Check:
+    panel: str
+    legend: str
+    expr: str
+    series: int
+    values: list[float]
+    shown: str  # what the panel shows: the values, a mapped text, or "No data"
+    ok: bool
+
+
+def prometheus_binary() -> str:
+    for candidate in (os.environ.get("PROMETHEUS"), str(ROOT / ".cache" / "tools" / "bin" / "prometheus"),
+                      shutil.which("prometheus")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise click.ClickException("prometheus not found: run scripts/install-prometheus.sh")
+
+
+class Prometheus:
+    """A Prometheus server on 127.0.0.1 scraping `targets` (job -> port) every second."""
+
+    def __init__(self, targets: dict[str, int], workdir: Path):
+        from specdecode_stack.local import free_port
+        self.port = free_port()
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "scrape_configs": [{"job_name": job, "static_configs": [
+                      {"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": NAMESPACE}}]}
+                      for job, port in targets.items()]}
+        (workdir / "prometheus.yml").write_text(json.dumps(config))
+        self.log = open(workdir / "prometheus.log", "w")
+        self.process = subprocess.Popen(
+            [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.jobs = list(targets)
+
+    def api(self, path: str, **params) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[tuple[dict, float]]:
+        return [(s["metric"], float(s["value"][1])) for s in self.api("query", query=expr)["result"]]
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        return self.api(f"label/{label}/values", **{"match[]": match})
+
+    def wait_scraped(self, timeout_s: float = 60.0) -> None:
+        """Until every job has been scraped, up, twice after this call."""
+        start = time.time()
+        while time.time() - start < timeout_s:
+            try:
+                fresh = self.query(f"timestamp(up == 1) > {start + 1.5}")
+            except OSError:
+                fresh = []
+            if len(fresh) == len(self.jobs):
+                return
+            time.sleep(0.5)
+        raise click.ClickException(f"Prometheus did not scrape {self.jobs} (log: {self.log.name})")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self.log.close()
+
+
+def substitute(expr: str, variables: dict[str, str]) -> str:
+    """The query as Grafana sends it: $__rate_interval and each $variable replaced."""
+    expr = expr.replace("$__rate_interval", WINDOW)
+    for name in sorted(variables, key=len, reverse=True):
+        expr = expr.replace(f"${name}", variables[name])
+    return expr
+
+
+def nan_text(panel: dict) -> str | None:
+    for mapping in panel.get("fieldConfig", {}).get("defaults", {}).get("mappings", []):
+        if mapping["type"] == "special" and mapping["options"]["match"] in ("nan", "null+nan"):
+            return mapping["options"]["result"]["text"]
+    return None
+
+
+def evaluate(prom: Prometheus, panels: list[dict], variables: dict[str, str], idle: bool) -> list[Check]:
+    """One check per target. idle (nothing drafted): NaN passes where the panel maps it to a
+    text; otherwise a target passes with >= 1 series, all finite."""
+    checks = []
+    for panel in panels:
+        for target in panel.get("targets", []):
+            result = prom.query(substitute(target["expr"], variables))
+            values = [v for _, v in result]
+            finite = bool(values) and all(math.isfinite(v) for v in values)
+            mapped = nan_text(panel) if values and all(math.isnan(v) for v in values) else None
+            shown = mapped or (", ".join(f"{v:.4g}" for v in values[:4]) if values else "No data")
+            ok = mapped is not None if idle else finite
+            checks.append(Check(panel["title"], target.get("legendFormat", ""), target["expr"],
+                                len(result), values, shown, ok))
+    return checks
+
+
+def resolve_variables(prom: Prometheus, dashboard: dict) -> dict[str, str]:
+    """Each variable as a user would pick it: query ones to the single value their query
+    returns (the target model, the draft model), the others to their "All" value."""
+    variables = {}
+    for v in dashboard["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.*), (\w+)\)", v["definition"])
+        values = prom.label_values(m[2], substitute(m[1], variables)) if m else []
+        if v["name"] in ("model", "draft"):
+            if len(values) != 1:
+                series = prom.api("series", **{"match[]": substitute(m[1], variables)})
+                raise click.ClickException(f"variable {v['name']}: expected one value, got {values} "
+                                           f"from {sorted({(s['job'], s['method'], s['model_name']) for s in series})}")
+            variables[v["name"]] = re.escape(values[0])
+        else:
+            variables[v["name"]] = v.get("allValue", ".*")
+    return variables
+
+
+def stack_config(pair: str, workdir: Path):
+    """The stack to scrape: tiny (a random Llama as both target and draft, saved twice so the
+    two model names differ and every draft token is accepted) or SmolLM2 with n-gram drafts."""
+    from specdecode_stack.local import StackConfig
+    if pair == "smollm2":
+        return StackConfig(port=0), lambda text: text
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tiny_models import TinyModelSpec, build_tiny_model
+    model = build_tiny_model(TinyModelSpec(seed=1))
+    for name in ("target", "draft"):
+        model.save_pretrained(workdir / name)
+    return (StackConfig(target_model=str(workdir / "target"), draft_model=str(workdir / "draft"),
+                        tokenizer="none", device="cpu", port=0, speculation="fixed",
+                        num_speculative_tokens=3, draft_confidence=0.0),
+            lambda text: [b % 256 for b in text.encode()][-32:])
+
+
+def send(address: str, prompts: list, max_tokens: int, k: int | None) -> int:
+    """Generates for each prompt; the draft tokens the requests report in all."""
+    from specdecode.api.client import SpecDecodeClient
+    drafted = 0
+    with SpecDecodeClient(address, timeout_s=600) as client:
+        for p in prompts:
+            drafted += client.generate(p, max_tokens=max_tokens, num_speculative_tokens=k).usage.draft_tokens
+    return drafted
+
+
+def print_table(title: str, checks: list[Check]) -> None:
+    print(f"\n== {title}")
+    print(f"{'':2} {'panel':44} {'legend':24} {'series':>6}  shown")
+    for c in checks:
+        print(f"{'ok' if c.ok else 'NO':2} {c.panel[:44]:44} {c.legend[:24]:24} {c.series:6d}  {c.shown}")
+
+
+@click.command()
+@click.option("--pair", type=click.Choice(["smollm2", "tiny"]), default="smollm2", show_default=True)
+@click.option("--max-tokens", default=24, show_default=True)
+def main(pair: str, max_tokens: int) -> None:
+    from specdecode_stack.local import LocalStack
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [p for p in dashboard["panels"] if p.get("targets")]
+    with tempfile.TemporaryDirectory() as tmp:
+        config, encode = stack_config(pair, Path(tmp))
+        prompts = [encode(p) for p in PROMPTS]
+        with LocalStack(config) as stack:
+            prom = Prometheus(stack.metrics_ports, Path(tmp))
+            try:
+                prom.wait_scraped()
+                assert send(stack.address, prompts[:1], max_tokens, 0) == 0
+                prom.wait_scraped()
+                variables = resolve_variables(prom, dashboard)
+                acceptance = [p for p in panels if nan_text(p)]
+                idle = evaluate(prom, acceptance, variables, idle=True)
+                drafted = send(stack.address, prompts, max_tokens, None)
+                prom.wait_scraped()
+                busy = evaluate(prom, panels, variables, idle=False)
+            finally:
+                prom.stop()
+    print_table("speculation off (nothing drafted): acceptance panels", idle)
+    print_table(f"speculating ({drafted} tokens drafted); variables {variables}", busy)
+    failed = [c for c in idle + busy if not c.ok]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"pair": pair, "variables": variables, "drafted": drafted,
+                                   "idle": [asdict(c) for c in idle], "speculating": [asdict(c) for c in busy]},
+                                  indent=1))
+    print(f"\n{len(idle) + len(busy) - len(failed)}/{len(idle) + len(busy)} checks pass; wrote {RESULTS}")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
