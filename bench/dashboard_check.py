@@ -6,7 +6,8 @@ local stack, as Grafana would send it.
 
 Starts the stack (specdecode_stack.local.LocalStack) and Prometheus (scripts/install-prometheus.sh
 puts Debian's build in .cache/tools/bin) scraping the three metrics ports every second, with
-a `namespace` label as a Kubernetes scrape would add. Then two phases:
+a `namespace` label as a Kubernetes scrape would add. Then two phases, each query's
+$__rate_interval being the phase's length (it covers the phase and nothing before it):
 
 1. requests with speculation off (num_speculative_tokens 0): the acceptance panels' ratios
    are 0/0 (NaN), and each must map NaN to its "no speculation" text;
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -40,7 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "specdecode.json"
 RESULTS = ROOT / "bench" / "results" / "dashboard_check.json"
 NAMESPACE = "local"
-WINDOW = "30s"  # $__rate_interval: every phase's samples, at one scrape a second
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
@@ -85,10 +86,11 @@ class Prometheus:
 
     def api(self, path: str, **params) -> dict:
         url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
-        with urllib.request.urlopen(url, timeout=30) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return json.load(r)["data"]
+        except urllib.error.HTTPError as e:  # a bad query: Prometheus says why
+            raise click.ClickException(f"{params}: {e.read().decode()}") from None
 
     def query(self, expr: str) -> list[tuple[dict, float]]:
         return [(s["metric"], float(s["value"][1])) for s in self.api("query", query=expr)["result"]]
@@ -115,9 +117,10 @@ class Prometheus:
         self.log.close()
 
 
-def substitute(expr: str, variables: dict[str, str]) -> str:
-    """The query as Grafana sends it: $__rate_interval and each $variable replaced."""
-    expr = expr.replace("$__rate_interval", WINDOW)
+def substitute(expr: str, variables: dict[str, str], window: str = "1m") -> str:
+    """The query as Grafana sends it: $__rate_interval (here the phase's length) and each
+    $variable replaced."""
+    expr = expr.replace("$__rate_interval", window)
     for name in sorted(variables, key=len, reverse=True):
         expr = expr.replace(f"${name}", variables[name])
     return expr
@@ -130,13 +133,16 @@ def nan_text(panel: dict) -> str | None:
     return None
 
 
-def evaluate(prom: Prometheus, panels: list[dict], variables: dict[str, str], idle: bool) -> list[Check]:
-    """One check per target. idle (nothing drafted): NaN passes where the panel maps it to a
-    text; otherwise a target passes with >= 1 series, all finite."""
+def evaluate(prom: Prometheus, panels: list[dict], variables: dict[str, str], since: float,
+             idle: bool) -> list[Check]:
+    """One check per target, over the window from `since` (a phase's start) to now. idle
+    (nothing drafted): NaN passes where the panel maps it to a text; otherwise a target
+    passes with >= 1 series, all finite."""
+    window = f"{math.ceil(time.time() - since) + 2}s"
     checks = []
     for panel in panels:
         for target in panel.get("targets", []):
-            result = prom.query(substitute(target["expr"], variables))
+            result = prom.query(substitute(target["expr"], variables, window))
             values = [v for _, v in result]
             finite = bool(values) and all(math.isfinite(v) for v in values)
             mapped = nan_text(panel) if values and all(math.isnan(v) for v in values) else None
@@ -161,7 +167,9 @@ def resolve_variables(prom: Prometheus, dashboard: dict) -> dict[str, str]:
                 series = prom.api("series", **{"match[]": substitute(m[1], variables)})
                 raise click.ClickException(f"variable {v['name']}: expected one value, got {values} "
                                            f"from {sorted({(s['job'], s['method'], s['model_name']) for s in series})}")
-            variables[v["name"]] = re.escape(values[0])
+            # As Grafana interpolates a regex variable: metacharacters escaped, and the
+            # backslashes doubled inside PromQL's double-quoted string.
+            variables[v["name"]] = re.escape(values[0]).replace("\\", "\\\\")
         else:
             variables[v["name"]] = v.get("allValue", ".*")
     return variables
@@ -215,14 +223,16 @@ def main(pair: str, max_tokens: int) -> None:
             prom = Prometheus(stack.metrics_ports, Path(tmp))
             try:
                 prom.wait_scraped()
+                start = time.time()
                 assert send(stack.address, prompts[:1], max_tokens, 0) == 0
                 prom.wait_scraped()
                 variables = resolve_variables(prom, dashboard)
                 acceptance = [p for p in panels if nan_text(p)]
-                idle = evaluate(prom, acceptance, variables, idle=True)
+                idle = evaluate(prom, acceptance, variables, start, idle=True)
+                start = time.time()
                 drafted = send(stack.address, prompts, max_tokens, None)
                 prom.wait_scraped()
-                busy = evaluate(prom, panels, variables, idle=False)
+                busy = evaluate(prom, panels, variables, start, idle=False)
             finally:
                 prom.stop()
     print_table("speculation off (nothing drafted): acceptance panels", idle)
