@@ -123,8 +123,10 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: 
     server's own faults are logged with their traceback."""
     status = status_of(exc)
     trace.get_current_span().record_exception(exc)
-    if status.server_fault:
-        log.error("%s failed: %s", method, exc, exc_info=status is INTERNAL)
+    if status is INTERNAL:
+        log.error("%s failed", method, exc_info=exc)
+    elif status.server_fault:  # a service this one called failed: no traceback to show
+        log.warning("%s failed: %s", method, exc)
     await context.abort(status.grpc_code, message_of(exc))
 
 
