@@ -11,6 +11,11 @@ probability; sampled: max q) below `confidence`. The unsure token is still propo
 forward is paid for; the verify may accept it), the next position is not. The decision reads
 only the draft's own distributions of the prefix, so verification stays exact
 (docs/design.md, adaptive speculation).
+
+Structured output: a constrained sequence drafts from q masked by its grammar (the worker's
+Grammars), and a position where the grammar allows one token only takes that token with no
+forward at all (jump-forward; q is then its point mass, and the target, masked alike, accepts
+it with probability 1).
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ class DraftModelProposer(SpeculativeProposer):
         # their KV state beside the drafting rows, so their first proposal starts warm.
         prompts = [i for i, sg in enumerate(groups) if sg.is_prompt]
         for step in range(max(*k_seq, 1 if prompts else 0, 0)):
-            active = [i for i, n in enumerate(k_seq) if n > step]
+            active = self._take_forced(groups, drafted, probs, step,
+                                       [i for i, n in enumerate(k_seq) if n > step])
             warm = prompts if step == 0 else []
-            if not active and not warm:  # every sequence stopped early
-                break
+            if not active and not warm:  # every sequence stopped early or took a forced token
+                continue
             batch = [*(groups[i].with_appended(drafted[i]) for i in active),
                      *(groups[i] for i in warm)]
             with tracing.child_span("draft_model.forward", {"specdecode.draft_position": step,
@@ -67,6 +73,26 @@ class DraftModelProposer(SpeculativeProposer):
         ids, lens = pack_proposals(drafted, k)
         return SpeculativeProposals(proposal_token_ids=ids, proposal_probs=probs,
                                     proposal_lens=lens)
+
+    def _take_forced(self, groups, drafted: list[list[int]], probs: torch.Tensor | None,
+                     step: int, active: list[int]) -> list[int]:
+        """Append the token a grammar forces at this draft position (no forward); returns
+        the active rows that still need one."""
+        grammars = self.worker.grammars
+        if grammars is None or not active:
+            return active
+        forced = grammars.forced_tokens([groups[i].with_appended(drafted[i]) for i in active])
+        rest = []
+        for i, token in zip(active, forced):
+            if token is None:
+                rest.append(i)
+                continue
+            drafted[i].append(token)
+            grammars.stats.forced += 1
+            if probs is not None:
+                probs[i, step] = 0.0
+                probs[i, step, token] = 1.0
+        return rest
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         return self.worker.release_sequences(seq_ids)

@@ -6,6 +6,7 @@ import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
 from specdecode.cost_model import attach_live_costs
+from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
@@ -24,8 +25,9 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
             export_runner_metrics(loaded.runner, "proposer")
             attach_live_costs(loaded.runner, loaded.info.forward_cost)
+        export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
-        return {"proposer": loaded.proposer, "info": loaded.info}
+        return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
                          ProposerServicer(limits), load)

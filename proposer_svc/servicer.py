@@ -12,8 +12,9 @@ from proposer_svc.pruned_head import prune_lm_head
 from specdecode import wire
 from specdecode.cost_model import calibrate
 from specdecode.interfaces import SpeculativeProposer
+from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM, ModelInfo
-from specdecode.model_loading import ModelOptions, load_runner, model_info_for
+from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
 from specdecode.model_servicer import ModelServicer, decode_request
 from specdecode.models import resolve_model_dir
@@ -33,6 +34,7 @@ class LoadedProposer:
     proposer: SpeculativeProposer
     info: ModelInfo
     runner: ModelRunner | None  # the draft model's; None for the n-gram proposer
+    grammars: Grammars | None = None  # None: drafts ignore grammars (n-gram, no tokenizer)
 
 
 def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
@@ -49,10 +51,11 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
     runner, fingerprint = load_runner(options)
     kept = prune_lm_head(runner.model, resolve_model_dir(options.model), draft_vocab_size)
     log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
+    grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
     info = model_info_for(runner, options, fingerprint, role="proposer",
-                          forward_cost=calibrate(runner))
-    return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft"), draft_confidence),
-                          info, runner)
+                          forward_cost=calibrate(runner), structured_output=grammars is not None)
+    worker = ModelWorker(runner, "draft", grammars)
+    return LoadedProposer(DraftModelProposer(worker, draft_confidence), info, runner, grammars)
 
 
 class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceServicer):
@@ -70,6 +73,7 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
                                       self.limits)
         if missing:
             return proposer_service_pb2.GetProposalsResponse(missing_seq_ids=missing)
+        await self.prepare_grammars(req, required=False)
         proposals = await self.model.run(self.proposer.get_proposals, req)
         response = proposer_service_pb2.GetProposalsResponse(
             proposals=wire.proposals_to_proto(proposals))

@@ -6,6 +6,7 @@ import logging
 
 from scorer_svc.servicer import ScorerServicer, build_scorer
 from specdecode.cost_model import attach_live_costs
+from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
@@ -21,8 +22,9 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
         loaded = build_scorer(model, scoring)
         export_runner_metrics(loaded.runner, "scorer")
         attach_live_costs(loaded.runner, loaded.info.forward_cost)
+        export_grammar_metrics(loaded.grammars, "scorer")
         log.info("scorer ready: %s", loaded.info)
-        return {"scorer": loaded.scorer, "info": loaded.info}
+        return {"scorer": loaded.scorer, "info": loaded.info, "grammars": loaded.grammars}
     await serve_deferred(options, scorer_service_pb2,
                          scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
                          ScorerServicer(limits), load)

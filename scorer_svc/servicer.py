@@ -10,7 +10,8 @@ from specdecode import wire
 from specdecode.cost_model import calibrate
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
-from specdecode.model_loading import ModelOptions, load_runner, model_info_for
+from specdecode.grammar.matcher import Grammars
+from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
 from specdecode.model_servicer import ModelServicer, decode_request
 from specdecode.errors import InvalidRequestError
@@ -24,6 +25,7 @@ class LoadedScorer:
     scorer: SpeculativeScorer
     info: ModelInfo
     runner: ModelRunner  # the target model's
+    grammars: Grammars | None  # None: the model has no tokenizer (no structured output)
 
 
 def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
@@ -33,9 +35,12 @@ def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
         raise ValueError(f"scoring: must be one of {', '.join(SCORING_CHOICES)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
     costs = calibrate(runner)
+    grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
     info = model_info_for(runner, options, fingerprint, role="scorer",
-                          scoring_method=scoring, forward_cost=costs)
-    return LoadedScorer(make_scorer(scoring, ModelWorker(runner, "target"), costs), info, runner)
+                          scoring_method=scoring, forward_cost=costs,
+                          structured_output=grammars is not None)
+    worker = ModelWorker(runner, "target", grammars)
+    return LoadedScorer(make_scorer(scoring, worker, costs), info, runner, grammars)
 
 
 class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceServicer):
@@ -52,6 +57,7 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
         req, missing = decode_request(request.request, self.info, self.sequences, self.limits)
         if missing:
             return scorer_service_pb2.ScoreProposalsResponse(missing_seq_ids=missing)
+        await self.prepare_grammars(req, required=True)
         proposals = wire.proposals_from_proto(request.proposals, "proposals",
                                               batch_size=len(req.seq_group_metadata_list),
                                               vocab_size=self.info.vocab_size)

@@ -4,10 +4,10 @@ your choice, so they cannot shadow the `specdecode` package.
 
     python scripts/gen_client_stubs.py --out DIR [--package specdecode_client]
 
-writes DIR/<package>/ with spec_decode_service_pb2{,_grpc}.py and model_info_pb2.py (what
-the public service imports), their imports rewritten to `<package>`. Plain protoc output
-would be a `specdecode/v1/` tree that, on sys.path, hides the installed `specdecode`
-package. The wire is unchanged (the proto package stays `specdecode.v1`); don't import
+writes DIR/<package>/ with spec_decode_service_pb2{,_grpc}.py, model_info_pb2.py and
+structured_output_pb2.py (what the public service imports), their imports rewritten to
+`<package>`. Plain protoc output would be a `specdecode/v1/` tree that, on sys.path, hides
+the installed `specdecode` package. The wire is unchanged (the proto package stays `specdecode.v1`); don't import
 these stubs and `specdecode.v1` in one process (both register the same proto files).
 Needs grpcio-tools. Inside this project, use `specdecode.v1` directly.
 """
@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC = ["specdecode/v1/spec_decode_service.proto", "specdecode/v1/model_info.proto"]
+PUBLIC = ["specdecode/v1/spec_decode_service.proto", "specdecode/v1/model_info.proto",
+          "specdecode/v1/structured_output.proto"]
 
 
 def generate(out: Path, package: str) -> list[Path]:

@@ -28,6 +28,7 @@ class ModelInfo:
     role: str = ""  # "proposer" | "scorer"
     scoring_method: str = ""  # scorer only: batch-expansion | multi-query | auto
     forward_cost: ForwardCosts | None = None  # measured; None for the n-gram proposer
+    structured_output: bool = False  # builds grammar masks (has the model's tokenizer)
 
     @property
     def is_draft_model(self) -> bool:

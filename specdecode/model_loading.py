@@ -8,6 +8,8 @@ from pathlib import Path
 
 from specdecode.cost_model import ForwardCosts
 from specdecode.device import resolve_device, resolve_dtype
+from specdecode.grammar.compiler import GrammarCompiler
+from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import DEFAULT_MAX_NUM_SEQS, ModelRunner
 from specdecode.models import (default_model_path, has_tokenizer, load_model, load_tokenizer,
@@ -58,11 +60,22 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
     return runner, fingerprint
 
 
+def load_grammars(options: ModelOptions, vocab_size: int, max_sequences: int) -> Grammars | None:
+    """The grammar states of a service's constrained sequences, built with the model's
+    tokenizer; None when the model has none (test models: no structured output)."""
+    model_dir = resolve_model_dir(options.model)
+    if not has_tokenizer(model_dir):
+        return None
+    return Grammars(GrammarCompiler(load_tokenizer(model_dir), vocab_size), max_sequences)
+
+
 def model_info_for(runner: ModelRunner, options: ModelOptions, fingerprint: str, role: str,
-                   scoring_method: str = "", forward_cost: ForwardCosts | None = None) -> ModelInfo:
+                   scoring_method: str = "", forward_cost: ForwardCosts | None = None,
+                   structured_output: bool = False) -> ModelInfo:
     name = Path(options.model).name if options.model not in (None, "", "default") else \
         default_model_path().name
     return ModelInfo(model_name=name, vocab_size=runner.vocab_size,
                      tokenizer_fingerprint=fingerprint, max_model_len=runner.max_model_len,
                      device=str(runner.device), dtype=str(runner.model.dtype).removeprefix("torch."),
-                     role=role, scoring_method=scoring_method, forward_cost=forward_cost)
+                     role=role, scoring_method=scoring_method, forward_cost=forward_cost,
+                     structured_output=structured_output)

@@ -5,7 +5,10 @@ model and this service's limits (specdecode.limits)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from specdecode import wire
+from specdecode.grammar.matcher import Grammars
 from specdecode.limits import ServiceLimits
 from specdecode.model_access import ModelAccess
 from specdecode.model_info import ModelInfo
@@ -21,6 +24,7 @@ class ModelServicer(Deferred):
     model call at a time. Serves after attach(info=ModelInfo, <role>=its proposer/scorer)."""
 
     info: ModelInfo
+    grammars: Grammars | None = None  # attached when the model has a tokenizer
 
     def __init__(self, limits: ServiceLimits = ServiceLimits()):
         self.model = ModelAccess()
@@ -34,6 +38,23 @@ class ModelServicer(Deferred):
     def _core(self):
         """The proposer or scorer this servicer fronts."""
         raise NotImplementedError
+
+    async def prepare_grammars(self, req: ExecuteModelRequest, required: bool) -> None:
+        """Compile the step's grammars off the event loop, within the compile time limit
+        (later mask calls only hit the cache). Without grammars, a constrained sequence is
+        refused when `required` (a scorer: the target's masks make the output) and drafted
+        unconstrained otherwise (a proposer: verification stays exact)."""
+        groups = req.seq_group_metadata_list
+        field = "request.seq_group_metadata_list"
+        if self.grammars is not None:
+            if any(sg.sampling_params.structured_output for sg in groups):
+                await asyncio.to_thread(self.grammars.compile_all, groups, field)
+            return
+        for i, sg in enumerate(groups):
+            if required and sg.sampling_params.structured_output is not None:
+                raise InvalidRequestError(f"{field}[{i}].sampling_params.structured_output",
+                                          f"{self.info.model_name} has no tokenizer to build "
+                                          "grammar masks with")
 
     @map_errors
     async def GetModelInfo(self, request, context):

@@ -4,8 +4,10 @@ Every control is part of the distribution: the probabilities returned here are t
 rejection sampler compares, for the draft and the target alike. The order follows vLLM:
 logit_bias, then the penalties (which depend on the tokens before the position: the
 prompt, the output so far, and at a draft position the draft tokens before it), then
-temperature (or greedy argmax), top-k, top-p, min_p. Log-probabilities are the model's own,
-before any control.
+temperature (or greedy argmax), top-k, top-p, min_p. A grammar's mask (structured output,
+specdecode.grammar) sets the logits of the tokens it does not allow to -inf before all of
+them: p and q are then the masked, renormalised distributions, and greedy is the argmax over
+the allowed tokens. Log-probabilities are the model's own, before any control.
 """
 
 from __future__ import annotations
@@ -119,13 +121,14 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
 def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                   purpose: str, want_probs: bool, want_logprobs: bool,
                   histories: list[TokenHistory | None] | None = None,
-                  want_confidence: bool = False):
+                  want_confidence: bool = False, allowed: torch.Tensor | None = None):
     """logits [N, V] for N single-query rows -> SamplerOutput.
 
     Row i draws the token at sequence position positions[i]: the argmax of its processed
     logits when greedy, else a sample from its processed, truncated distribution with that
     request's step generator. histories[i]: the tokens before row i (needed only by rows
-    with penalties). Logprobs are log_softmax of the raw logits. Confidence (a draft's
+    with penalties). allowed: bool [N, V], False = masked out by the row's grammar (None = no
+    grammar in the batch). Logprobs are log_softmax of the raw logits. Confidence (a draft's
     early stop, docs/design.md "Adaptive speculation"): the largest probability of the row's
     distribution: of the processed logits' softmax when greedy (the argmax's probability),
     of the truncated distribution when sampled.
@@ -139,6 +142,8 @@ def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions:
         shaped = logits.float().clone()
         for i in controlled:
             shaped[i] = processed_logits(logits[i], params[i], histories[i])
+    if allowed is not None:  # [N, V]
+        shaped = shaped.float().masked_fill(~allowed.to(shaped.device), float("-inf"))
     token_ids = shaped.argmax(-1)  # [N]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     probs = None

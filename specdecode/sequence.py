@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.errors import InvalidRequestError
+from specdecode.grammar.spec import StructuredOutput
 
 SeqId = int
 TokenId = int
@@ -64,6 +65,9 @@ class SamplingParams:
     # n = also the n most likely (at most MAX_LOGPROBS). They are the target model's own,
     # before any control above (the model's distribution, as OpenAI and vLLM report it).
     logprobs: int | None = None
+    # The grammar the output must follow (specdecode.grammar): its mask shapes p and q like
+    # the controls above. None = unconstrained.
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +105,8 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs",
                                       f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -21,11 +21,14 @@ import torch
 from google.protobuf.message import Message
 
 from specdecode.cost_model import ForwardCosts
+from specdecode.grammar.spec import StructuredOutput
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScores
 from specdecode.model_info import ModelInfo
 from specdecode.errors import InvalidRequestError
-from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData, SequenceGroupMetadata)
-from specdecode.v1 import model_info_pb2, sequence_pb2, speculative_pb2, tensor_pb2
+from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
+                                 SequenceGroupMetadata)
+from specdecode.v1 import (model_info_pb2, sequence_pb2, speculative_pb2, structured_output_pb2,
+                           tensor_pb2)
 
 # Wire dtype -> (torch dtype, little-endian numpy dtype of the raw elements).
 # bfloat16 has no numpy dtype: its 16 raw bits travel as int16.
@@ -167,16 +170,46 @@ def _check(t: torch.Tensor, field: str, dtypes: tuple[torch.dtype, ...],
 
 # --- request ------------------------------------------------------------------------------
 
+def structured_output_to_proto(so: StructuredOutput | None,
+                               ) -> structured_output_pb2.StructuredOutput | None:
+    """Encode a grammar (None = unset)."""
+    if so is None:
+        return None
+    if so.kind == "choice":
+        return structured_output_pb2.StructuredOutput(
+            choice=structured_output_pb2.Choices(choices=so.choices))
+    if so.kind == "json_object":
+        return structured_output_pb2.StructuredOutput(json_object=True)
+    return structured_output_pb2.StructuredOutput(**{so.kind: so.spec})
+
+
+def structured_output_from_proto(m: structured_output_pb2.StructuredOutput,
+                                 field: str = "structured_output") -> StructuredOutput | None:
+    """Decode a grammar (no kind set = None); its spec is checked by `validate`."""
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(m.choice.choices))
+    if kind == "json_object":
+        if not m.json_object:
+            raise InvalidRequestError(f"{field}.json_object", "must be true when set")
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, getattr(m, kind))
+
+
 def sampling_params_to_proto(p: SamplingParams) -> sequence_pb2.SamplingParams:
     """Encode SamplingParams (seed None = unset)."""
     return sequence_pb2.SamplingParams(
         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
         max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs)
+        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
+        structured_output=structured_output_to_proto(p.structured_output))
 
 
-def sampling_params_from_proto(m: sequence_pb2.SamplingParams) -> SamplingParams:
+def sampling_params_from_proto(m: sequence_pb2.SamplingParams,
+                               field: str = "sampling_params") -> SamplingParams:
     """Decode SamplingParams (unset seed / logprobs = None, repetition_penalty 0 = 1).
     Ranges are checked by `validate`."""
     return SamplingParams(
@@ -185,7 +218,9 @@ def sampling_params_from_proto(m: sequence_pb2.SamplingParams) -> SamplingParams
         stop_token_ids=tuple(m.stop_token_ids), min_p=m.min_p,
         repetition_penalty=m.repetition_penalty or 1.0, presence_penalty=m.presence_penalty,
         frequency_penalty=m.frequency_penalty, logit_bias=dict(m.logit_bias),
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        structured_output=structured_output_from_proto(m.structured_output,
+                                                       f"{field}.structured_output"))
 
 
 def sequence_data_to_proto(d: SequenceData) -> sequence_pb2.SequenceData:
@@ -219,7 +254,7 @@ def sequence_group_metadata_from_proto(m: sequence_pb2.SequenceGroupMetadata,
     return SequenceGroupMetadata(
         request_id=m.request_id, is_prompt=m.is_prompt,
         seq_data={sid: sequence_data_from_proto(d) for sid, d in m.seq_data.items()},
-        sampling_params=sampling_params_from_proto(m.sampling_params),
+        sampling_params=sampling_params_from_proto(m.sampling_params, f"{field}.sampling_params"),
         num_speculative_tokens=(m.num_speculative_tokens
                                 if m.HasField("num_speculative_tokens") else None))
 

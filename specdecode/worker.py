@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.grammar.matcher import Grammars
 from specdecode.model_runner import ModelRunner, RunnerRow
 from specdecode.sampling import TokenHistory, sample_logits
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 
 
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, purpose: str):
+    def __init__(self, runner: ModelRunner, purpose: str, grammars: Grammars | None = None):
+        """grammars: the grammar states of constrained sequences (structured output); None
+        when the model has no tokenizer to build them with (grammars are then ignored: a
+        scorer refuses such requests first, a draft proposes unconstrained, still exact)."""
         self.runner = runner
         self.purpose = purpose  # salts seeded draws: "draft" and "target" draw independently
+        self.grammars = grammars
 
     @property
     def vocab_size(self) -> int:
@@ -43,8 +48,9 @@ class ModelWorker:
             histories += (TokenHistory.of(sg.data, q) if sg.sampling_params.has_penalties
                           else [None] * q)
         flat = torch.cat(logits) if logits else torch.empty(0, self.vocab_size)  # [N, V]
+        allowed = self.grammars.row_masks(groups, num_queries) if self.grammars else None
         return sample_logits(flat, params, positions, self.purpose, want_probs, want_logprobs,
-                             histories, want_confidence)
+                             histories, want_confidence, allowed)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest, want_probs: bool = False,
                       want_logprobs: bool = False, want_confidence: bool = False
@@ -55,4 +61,6 @@ class ModelWorker:
                                want_confidence)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
+        if self.grammars is not None:
+            self.grammars.release(seq_ids)
         return self.runner.release(seq_ids)

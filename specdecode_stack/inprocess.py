@@ -12,6 +12,8 @@ from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from scorer_svc.methods import make_scorer
 from specdecode.cost_model import calibrate
+from specdecode.grammar.compiler import GrammarCompiler
+from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM
 from specdecode.model_runner import ModelRunner
 from specdecode.worker import ModelWorker
@@ -22,13 +24,17 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
                            enforce_eager: bool = False,
-                           draft_confidence: float = 0.0) -> SpecDecodeEngine:
+                           draft_confidence: float = 0.0, tokenizer=None) -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
     LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
     this modifies `draft` in place); draft_confidence: the draft stops after a token it
-    was less sure of (proposer_svc.draft)."""
+    was less sure of (proposer_svc.draft); tokenizer: the models' (transformers), for
+    structured output (the draft and the target each keep their grammar states)."""
+    compiler = None if tokenizer is None else GrammarCompiler(tokenizer,
+                                                              target.config.vocab_size)
+    grammars = (lambda: None) if compiler is None else (lambda: Grammars(compiler))
     target_runner = ModelRunner(target, device, enforce_eager=enforce_eager)
     max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
@@ -40,8 +46,9 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
         draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager)
         max_len = min(max_len, draft_runner.max_model_len)
         draft_costs = calibrate(draft_runner) if adaptive else None
-        proposer = DraftModelProposer(ModelWorker(draft_runner, "draft"), draft_confidence)
-    scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)
+        proposer = DraftModelProposer(ModelWorker(draft_runner, "draft", grammars()),
+                                      draft_confidence)
+    scorer = make_scorer(scoring, ModelWorker(target_runner, "target", grammars()), target_costs)
     return build_engine(proposer, scorer, k=k, adaptive=adaptive, scoring=scoring,
                         draft_model=draft != NGRAM, scorer_costs=target_costs,
                         draft_costs=draft_costs, max_model_len=max_len)

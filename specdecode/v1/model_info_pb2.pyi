@@ -53,6 +53,7 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     SCORING_METHOD_FIELD_NUMBER: _builtins.int
     FORWARD_COST_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Name or local path of the loaded model (e.g. "SmolLM2-135M-Instruct"), or "ngram"
     for the n-gram proposer.
@@ -76,6 +77,11 @@ class ModelInfo(_message.Message):
     (the scorer picks the cheaper of the two for each call from forward_cost).
     Empty for a proposer.
     """
+    structured_output: _builtins.bool
+    """True when this service builds grammar masks (it has the model's tokenizer): a scorer
+    must, for the orchestrator to accept structured output requests; a proposer that does
+    not drafts unconstrained.
+    """
     @_builtins.property
     def forward_cost(self) -> Global___ForwardCost:
         """Measured cost of one forward pass of this model on its device (at start-up, refreshed
@@ -96,10 +102,11 @@ class ModelInfo(_message.Message):
         role: _builtins.str = ...,
         scoring_method: _builtins.str = ...,
         forward_cost: Global___ForwardCost | None = ...,
+        structured_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forward_cost", b"forward_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "structured_output", b"structured_output", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

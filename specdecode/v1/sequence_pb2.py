@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specdecode.v1 import structured_output_pb2 as specdecode_dot_v1_dot_structured__output__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdecode/v1/sequence.proto\x12\rspecdecode.v1\"\x83\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.specdecode.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"q\n\x0cSequenceData\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x03\x12-\n\x06prefix\x18\x03 \x01(\x0b\x32\x1d.specdecode.v1.SequencePrefix\".\n\x0eSequencePrefix\x12\x0e\n\x06length\x18\x01 \x01(\x03\x12\x0c\n\x04hash\x18\x02 \x01(\x06\"\xd8\x02\n\x15SequenceGroupMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_prompt\x18\x02 \x01(\x08\x12\x43\n\x08seq_data\x18\x03 \x03(\x0b\x32\x31.specdecode.v1.SequenceGroupMetadata.SeqDataEntry\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.specdecode.v1.SamplingParams\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x1aK\n\x0cSeqDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.specdecode.v1.SequenceData:\x02\x38\x01\x42\x19\n\x17_num_speculative_tokensJ\x04\x08\x05\x10\x06R\x08\x63\x61\x63he_id\"y\n\x13\x45xecuteModelRequest\x12\x45\n\x17seq_group_metadata_list\x18\x01 \x03(\x0b\x32$.specdecode.v1.SequenceGroupMetadata\x12\x1b\n\x13num_lookahead_slots\x18\x02 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdecode/v1/sequence.proto\x12\rspecdecode.v1\x1a%specdecode/v1/structured_output.proto\"\xbf\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\r\n\x05min_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.specdecode.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12:\n\x11structured_output\x18\r \x01(\x0b\x32\x1f.specdecode.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"q\n\x0cSequenceData\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x03\x12-\n\x06prefix\x18\x03 \x01(\x0b\x32\x1d.specdecode.v1.SequencePrefix\".\n\x0eSequencePrefix\x12\x0e\n\x06length\x18\x01 \x01(\x03\x12\x0c\n\x04hash\x18\x02 \x01(\x06\"\xd8\x02\n\x15SequenceGroupMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tis_prompt\x18\x02 \x01(\x08\x12\x43\n\x08seq_data\x18\x03 \x03(\x0b\x32\x31.specdecode.v1.SequenceGroupMetadata.SeqDataEntry\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.specdecode.v1.SamplingParams\x12#\n\x16num_speculative_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x1aK\n\x0cSeqDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.specdecode.v1.SequenceData:\x02\x38\x01\x42\x19\n\x17_num_speculative_tokensJ\x04\x08\x05\x10\x06R\x08\x63\x61\x63he_id\"y\n\x13\x45xecuteModelRequest\x12\x45\n\x17seq_group_metadata_list\x18\x01 \x03(\x0b\x32$.specdecode.v1.SequenceGroupMetadata\x12\x1b\n\x13num_lookahead_slots\x18\x02 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._loaded_options = None
   _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=435
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=365
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=413
-  _globals['_SEQUENCEDATA']._serialized_start=437
-  _globals['_SEQUENCEDATA']._serialized_end=550
-  _globals['_SEQUENCEPREFIX']._serialized_start=552
-  _globals['_SEQUENCEPREFIX']._serialized_end=598
-  _globals['_SEQUENCEGROUPMETADATA']._serialized_start=601
-  _globals['_SEQUENCEGROUPMETADATA']._serialized_end=945
-  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_start=827
-  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_end=902
-  _globals['_EXECUTEMODELREQUEST']._serialized_start=947
-  _globals['_EXECUTEMODELREQUEST']._serialized_end=1068
+  _globals['_SAMPLINGPARAMS']._serialized_start=87
+  _globals['_SAMPLINGPARAMS']._serialized_end=534
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=464
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=512
+  _globals['_SEQUENCEDATA']._serialized_start=536
+  _globals['_SEQUENCEDATA']._serialized_end=649
+  _globals['_SEQUENCEPREFIX']._serialized_start=651
+  _globals['_SEQUENCEPREFIX']._serialized_end=697
+  _globals['_SEQUENCEGROUPMETADATA']._serialized_start=700
+  _globals['_SEQUENCEGROUPMETADATA']._serialized_end=1044
+  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_start=926
+  _globals['_SEQUENCEGROUPMETADATA_SEQDATAENTRY']._serialized_end=1001
+  _globals['_EXECUTEMODELREQUEST']._serialized_start=1046
+  _globals['_EXECUTEMODELREQUEST']._serialized_end=1167
 # @@protoc_insertion_point(module_scope)

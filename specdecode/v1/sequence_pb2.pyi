@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from specdecode.v1 import structured_output_pb2 as _structured_output_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -58,6 +59,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature; 0 = greedy (argmax). Must be >= 0."""
     top_k: _builtins.int
@@ -103,6 +105,14 @@ class SamplingParams(_message.Message):
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Token id -> value in [-100, 100] added to its logit before everything else."""
 
+    @_builtins.property
+    def structured_output(self) -> _structured_output_pb2.StructuredOutput:
+        """The grammar the output follows; unset = none. Its mask applies before the controls
+        above, to the draft's and the target's distribution alike, at each position after the
+        tokens before it (draft tokens included). A scorer without a tokenizer refuses it with
+        INVALID_ARGUMENT; a proposer without one drafts unconstrained (verification stays exact).
+        """
+
     def __init__(
         self,
         *,
@@ -118,10 +128,11 @@ class SamplingParams(_message.Message):
         frequency_penalty: _builtins.float = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         logprobs: _builtins.int | None = ...,
+        structured_output: _structured_output_pb2.StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed", "structured_output", b"structured_output"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from specdecode.v1 import model_info_pb2 as specdecode_dot_v1_dot_model__info__pb2
+from specdecode.v1 import structured_output_pb2 as specdecode_dot_v1_dot_structured__output__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'specdecode/v1/spec_decode_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\"\xf4\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x06 \x01(\x05\x12\x16\n\x0escoring_method\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\t \x01(\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xce\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.specdecode.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12#\n\x16num_speculative_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.specdecode.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x03\x88\x01\x01\x12\t\n\x01n\x18\x12 \x01(\x05\x12\x12\n\nignore_eos\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.specdecode.v1.TopLogprob\"\xa8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x65mitted_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\r\n\x05steps\x18\x07 \x01(\x03\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.specdecode.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.specdecode.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.specdecode.v1.TokenLogprobs*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xbb\x01\n\x11SpecDecodeService\x12M\n\x08Generate\x12\x1e.specdecode.v1.GenerateRequest\x1a\x1f.specdecode.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a#.specdecode.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'specdecode/v1/spec_decode_service.proto\x12\rspecdecode.v1\x1a\x1especdecode/v1/model_info.proto\x1a%specdecode/v1/structured_output.proto\"\xf4\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\x05\x12\x1e\n\x16max_speculative_tokens\x18\x06 \x01(\x05\x12\x16\n\x0escoring_method\x18\x07 \x01(\t\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x14\n\x0cmax_logprobs\x18\t \x01(\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x8a\x05\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.specdecode.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12#\n\x16num_speculative_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.specdecode.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x03\x88\x01\x01\x12\t\n\x01n\x18\x12 \x01(\x05\x12\x12\n\nignore_eos\x18\x13 \x01(\x08\x12:\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1f.specdecode.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06promptB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.specdecode.v1.TopLogprob\"\xa8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x65mitted_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\r\n\x05steps\x18\x07 \x01(\x03\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.specdecode.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.specdecode.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.specdecode.v1.TokenLogprobs*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xbb\x01\n\x11SpecDecodeService\x12M\n\x08Generate\x12\x1e.specdecode.v1.GenerateRequest\x1a\x1f.specdecode.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a#.specdecode.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1502
-  _globals['_FINISHREASON']._serialized_end=1626
-  _globals['_GETMODELINFORESPONSE']._serialized_start=91
-  _globals['_GETMODELINFORESPONSE']._serialized_end=335
-  _globals['_TOKENIDS']._serialized_start=337
-  _globals['_TOKENIDS']._serialized_end=360
-  _globals['_GENERATEREQUEST']._serialized_start=363
-  _globals['_GENERATEREQUEST']._serialized_end=953
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=846
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=894
-  _globals['_TOPLOGPROB']._serialized_start=955
-  _globals['_TOPLOGPROB']._serialized_end=1002
-  _globals['_TOKENLOGPROBS']._serialized_start=1004
-  _globals['_TOKENLOGPROBS']._serialized_end=1103
-  _globals['_USAGE']._serialized_start=1106
-  _globals['_USAGE']._serialized_end=1274
-  _globals['_GENERATERESPONSE']._serialized_start=1277
-  _globals['_GENERATERESPONSE']._serialized_end=1500
-  _globals['_SPECDECODESERVICE']._serialized_start=1629
-  _globals['_SPECDECODESERVICE']._serialized_end=1816
+  _globals['_FINISHREASON']._serialized_start=1601
+  _globals['_FINISHREASON']._serialized_end=1725
+  _globals['_GETMODELINFORESPONSE']._serialized_start=130
+  _globals['_GETMODELINFORESPONSE']._serialized_end=374
+  _globals['_TOKENIDS']._serialized_start=376
+  _globals['_TOKENIDS']._serialized_end=399
+  _globals['_GENERATEREQUEST']._serialized_start=402
+  _globals['_GENERATEREQUEST']._serialized_end=1052
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=945
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=993
+  _globals['_TOPLOGPROB']._serialized_start=1054
+  _globals['_TOPLOGPROB']._serialized_end=1101
+  _globals['_TOKENLOGPROBS']._serialized_start=1103
+  _globals['_TOKENLOGPROBS']._serialized_end=1202
+  _globals['_USAGE']._serialized_start=1205
+  _globals['_USAGE']._serialized_end=1373
+  _globals['_GENERATERESPONSE']._serialized_start=1376
+  _globals['_GENERATERESPONSE']._serialized_end=1599
+  _globals['_SPECDECODESERVICE']._serialized_start=1728
+  _globals['_SPECDECODESERVICE']._serialized_end=1915
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from specdecode.v1 import structured_output_pb2 as _structured_output_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -174,6 +175,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Prompt text, tokenized by the server (no chat template is applied)."""
     max_tokens: _builtins.int
@@ -239,6 +241,15 @@ class GenerateRequest(_message.Message):
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Token id -> bias in [-100, 100] added to its logit."""
 
+    @_builtins.property
+    def structured_output(self) -> _structured_output_pb2.StructuredOutput:
+        """Structured output: the text follows this JSON schema, any JSON object, regular
+        expression, choice of strings, or Lark / GBNF grammar (see StructuredOutput); unset =
+        free text. The request then ends when the grammar is complete (finish reason stop),
+        ignore_eos notwithstanding. Needs a server with a tokenizer. Exact under speculation:
+        greedy output equals the target model's own constrained decoding.
+        """
+
     def __init__(
         self,
         *,
@@ -261,10 +272,11 @@ class GenerateRequest(_message.Message):
         logprobs: _builtins.int | None = ...,
         n: _builtins.int = ...,
         ignore_eos: _builtins.bool = ...,
+        structured_output: _structured_output_pb2.StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "logprobs", b"logprobs", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "seed", b"seed", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "logprobs", b"logprobs", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "seed", b"seed", "structured_output", b"structured_output", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "num_speculative_tokens", b"num_speculative_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "num_speculative_tokens", b"num_speculative_tokens", "presence_penalty", b"presence_penalty", "prompt", b"prompt", "repetition_penalty", b"repetition_penalty", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "text", b"text", "token_ids", b"token_ids", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
