@@ -38,3 +38,29 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec()) -> LlamaForCausalLM:
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(spec.seed)
     return LlamaForCausalLM(config).eval()
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: ids 0-255 are the bytes, 256 is the end-of-sequence token
+    `<eos>` (a vocabulary of 257 for TinyModelSpec). Every text tokenizes, so tiny models
+    can serve structured output (grammars need a tokenizer) at a tiny model's speed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = pre_tokenizers.ByteLevel.alphabet()  # byte-level BPE's printable stand-ins
+    order = sorted(symbols, key=lambda c: _byte_of(c))
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(order)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def _byte_of(symbol: str) -> int:
+    """GPT-2's byte-level table: the byte a printable stand-in symbol represents."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    code = ord(symbol)
+    if code < 256 and code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
