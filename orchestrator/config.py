@@ -70,6 +70,7 @@ class OrchestratorConfig:
     http_port: int = 0  # the OpenAI-compatible HTTP API on the same host (0 = off)
     sequence_deltas: bool = True  # step calls send what each replica lacks
     overlap: bool = False  # two groups alternate between proposer and scorer
+    grammar_compile_timeout_s: float = 5.0  # a structured output request's grammar, at most
     resilience: ResilienceOptions = ResilienceOptions()
     security: ServiceSecurity = ServiceSecurity()
     admission: AdmissionConfig = AdmissionConfig()

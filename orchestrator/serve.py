@@ -29,6 +29,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.engine.step_metrics import WAITING, StepMetrics
     from orchestrator.frontend.generation import ServedModel
     from orchestrator.frontend.request import RequestLimits
+    from specdecode.grammar.matcher import Grammars
+    from specdecode.grammar.metrics import export_grammar_metrics
     from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
@@ -42,16 +44,19 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
         tok = load_tokenizer(None if config.tokenizer == "default" else config.tokenizer)
         check_tokenizer(tokenizer_fingerprint(tok), s_info)
     k, admission = config.num_speculative_tokens, config.admission
+    compiler = _grammar_compiler(tok, s_info, config.grammar_compile_timeout_s)
     engine = build_engine(
         proposer, scorer, k=k, adaptive=config.speculation == "adaptive",
         scoring=s_info.scoring_method, draft_model=p_info.is_draft_model,
         scorer_costs=s_info.forward_cost, draft_costs=p_info.forward_cost,
         max_model_len=serving_max_model_len(p_info, s_info), trace_every=config.trace_every,
-        max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap)
+        max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap,
+        grammars=None if isinstance(compiler, str) else Grammars(compiler))
     log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
     parts["loop"] = loop = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                       max_running=admission.max_running)
     WAITING.set_function(lambda: loop.waiting)
+    export_grammar_metrics(engine.grammars, "orchestrator")
     loop.start()
     log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
              p_info.model_name, s_info.model_name)
@@ -62,7 +67,20 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     cap = engine.max_model_len - 1
     limits = RequestLimits(engine.max_model_len, min(admission.max_prompt_tokens or cap, cap), k,
                            s_info.vocab_size, admission.default_max_tokens, tok is not None)
-    return {"loop": loop, "tokenizer": tok, "info": info, "limits": limits}
+    return {"loop": loop, "tokenizer": tok, "info": info, "limits": limits,
+            "grammars": compiler}
+
+
+def _grammar_compiler(tokenizer, scorer, timeout_s: float):
+    """The orchestrator's grammar compiler (structured output: requests are compiled within
+    timeout_s, forced tokens found for jump-forward), or why the server cannot serve them."""
+    from specdecode.grammar.compiler import GrammarCompiler
+
+    if tokenizer is None:
+        return "this server has no tokenizer (--tokenizer none)"
+    if not scorer.structured_output:
+        return f"the scorer ({scorer.model_name}) builds no grammar masks (it has no tokenizer)"
+    return GrammarCompiler(tokenizer, scorer.vocab_size, timeout_s)
 
 
 async def serve_orchestrator(config: OrchestratorConfig) -> None:

@@ -314,6 +314,10 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
      help="Split the running sequences into two groups that alternate, so the proposer drafts "
           "one while the scorer verifies the other (same output; pays when they are on "
           "different hosts or cores; prompts are then not prefilled in chunks).")
+@opt("--grammar-compile-timeout", default=5.0, type=click.FloatRange(0, min_open=True),
+     help="Seconds a structured output request's grammar (JSON schema, regex, choice, "
+          "grammar) may take to compile; past it the request is refused (400 / "
+          "INVALID_ARGUMENT naming the field), and so is the same grammar later.")
 @admission_options
 @server_options(DEFAULTS.port)
 @telemetry_options
@@ -324,7 +328,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        trace_console, log_format, service_tls_ca, service_tls_cert,
                        service_tls_key, service_token_file, max_prompt_tokens,
                        max_running_requests, max_queued_requests, max_num_batched_tokens,
-                       sequence_deltas, overlap, **server) -> None:
+                       sequence_deltas, overlap, grammar_compile_timeout, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
     from orchestrator.config import (AdmissionConfig, OrchestratorConfig, ResilienceOptions,
@@ -351,6 +355,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
             num_speculative_tokens=num_speculative_tokens, speculation=speculation,
             connect_timeout_s=connect_timeout, trace_every=trace_steps, http_port=http_port,
             sequence_deltas=sequence_deltas, overlap=overlap,
+            grammar_compile_timeout_s=grammar_compile_timeout,
             resilience=ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
                                          health_interval, resolve_interval),
             security=ServiceSecurity(tls, token), admission=admission))

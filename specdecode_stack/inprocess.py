@@ -51,4 +51,4 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target", grammars()), target_costs)
     return build_engine(proposer, scorer, k=k, adaptive=adaptive, scoring=scoring,
                         draft_model=draft != NGRAM, scorer_costs=target_costs,
-                        draft_costs=draft_costs, max_model_len=max_len)
+                        draft_costs=draft_costs, max_model_len=max_len, grammars=grammars())

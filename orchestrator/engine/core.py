@@ -4,7 +4,8 @@
     propose     the proposer's draft tokens (a prompt chunk warms a draft model's KV state)
     score       the scorer's view of every proposal position and the bonus position
     verify      lossless rejection sampling: the tokens each sequence emits
-    postprocess the stop rules, text, logprobs, usage and step statistics; release the finished
+    postprocess the stop rules, text, logprobs, usage and step statistics; tokens a grammar
+                forces (jump-forward); release the finished
 
 Iteration-level batching: requests added between steps join the next step; a sequence's
 first step (its prompt has no KV state yet) is scored with proposal length 0. The engine
@@ -45,6 +46,7 @@ from specdecode.api.usage import Usage
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.errors import InvalidRequestError
+from specdecode.grammar.matcher import Grammars
 from specdecode.sequence import ExecuteModelRequest, SequenceData, SequenceGroupMetadata
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,12 @@ class SpecDecodeEngine:
                  max_model_len: int, num_speculative_tokens: int,
                  sampler: RejectionSampler | None = None, trace_every: int = 1,
                  policy: SpeculationPolicy | None = None,
-                 max_num_batched_tokens: int | None = None, overlap: bool = False):
+                 max_num_batched_tokens: int | None = None, overlap: bool = False,
+                 grammars: Grammars | None = None):
         """policy: picks each sequence's k per step (default: fixed k, every sequence
         speculating num_speculative_tokens or its request's smaller value).
+        grammars: the engine's own grammar states (structured output), for jump-forward:
+        a token a sequence's grammar forces is appended with no forward at all.
         overlap: two groups of sequences alternate between proposer and scorer
         (orchestrator.engine.overlap); prompts then join whole (no chunked prefill).
         max_num_batched_tokens: tokens one step may compute (None = no limit); longer
@@ -104,6 +109,7 @@ class SpecDecodeEngine:
         self.trace_every = trace_every
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
+        self.grammars = grammars
         self._warmer: ThreadPoolExecutor | None = None  # chunks' draft calls (_warm_draft)
         self.steps = 0  # steps run so far
         # Services key their KV caches by sequence id, and may serve several orchestrators:
@@ -332,10 +338,13 @@ class SpecDecodeEngine:
                 # it read the sequence and its first n-1 proposals (a prompt: the prompt)
                 seq.drafted = len(seq.token_ids) + min(len(tokens) - 1, max(n - 1, 0))
             self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
+            constrained = seq.request.sampling_params.structured_output is not None
             if n:
-                stats.observe_draft(n, passed[i], len(tokens))
+                stats.observe_draft(n, passed[i], len(tokens), constrained)
             seq.stats.observe_step(n, len(tokens))
             new = append_tokens(seq, tokens, self.max_model_len)
+            if constrained and self.grammars is not None and not seq.finish_reason:
+                new += self._jump_forward(seq, stats)
             stats.new_tokens += len(new)
             logprobs = None if scores.logprobs is None else scores.logprobs[i]
             outputs.append(step_output(seq, new, logprobs))
@@ -347,6 +356,23 @@ class SpecDecodeEngine:
         stats.finished = len(finished)
         return outputs
 
+    def _jump_forward(self, seq: Sequence, stats: StepStats) -> list[int]:
+        """Append the tokens the sequence's grammar forces next (each the only one its mask
+        allows: the target's masked distribution is a point mass there), with no forward,
+        under the stop rules. The services see them as output in the next step."""
+        start = time.perf_counter()
+        matcher = self.grammars.matcher(seq.seq_id, seq.request.sampling_params.structured_output)
+        forced: list[int] = []
+        while not seq.finish_reason and matcher.sync(seq.output_token_ids):
+            token = matcher.forced_token()
+            if token is None:
+                break
+            forced += append_tokens(seq, [token], self.max_model_len)
+        stats.forced_tokens += len(forced)
+        self.grammars.stats.forced += len(forced)
+        stats.grammar_s += time.perf_counter() - start
+        return forced
+
     def _service_counters(self) -> dict[str, ServiceStats]:
         """Cumulative counters of the remote services (zeros in-process)."""
         return {"proposer": snapshot(self.proposer), "scorer": snapshot(self.scorer)}
@@ -356,6 +382,8 @@ class SpecDecodeEngine:
         if seqs:
             ids = [s.seq_id for s in seqs]
             self.policy.forget(ids)
+            if self.grammars is not None:
+                self.grammars.release(ids)
             for service in (self.proposer, self.scorer):
                 try:
                     service.release_sequences(ids)

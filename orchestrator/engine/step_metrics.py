@@ -64,6 +64,15 @@ SERVICE_IDLE = Histogram("specdecode_step_service_idle_seconds", "Per step, the 
 FULL_RESENDS = Counter("specdecode_full_resends", "Sequences resent in full within a step "
                        "because the service lacked their prefix (restart, eviction, another "
                        "replica).", ["role"])
+CONSTRAINED_DRAFT = Counter("specdecode_constrained_draft_tokens", "Draft tokens proposed for "
+                            "sequences under a grammar (structured output).")
+CONSTRAINED_ACCEPTED = Counter("specdecode_constrained_accepted_tokens", "Of those, the draft "
+                               "tokens that passed verification.")
+FORCED = Counter("specdecode_forced_tokens", "Tokens a grammar forced (the only one it "
+                 "allowed), emitted by the orchestrator without any forward (jump-forward).")
+GRAMMAR_SECONDS = Histogram("specdecode_step_grammar_seconds", "Per step, the orchestrator's "
+                            "grammar work (matchers synced, forced-token masks).",
+                            buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05))
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
                 "yet (they join at the next step boundary).")
@@ -104,6 +113,11 @@ class StepMetrics:
         for position, count in enumerate(step.accepted_by_position):
             if count:
                 ACCEPTED_AT.labels(str(position)).inc(count)
+        CONSTRAINED_DRAFT.inc(step.constrained_draft_tokens)
+        CONSTRAINED_ACCEPTED.inc(step.constrained_accepted_tokens)
+        FORCED.inc(step.forced_tokens)
+        if step.grammar_s:
+            GRAMMAR_SECONDS.observe(step.grammar_s)
         NUM_SPEC_TOKENS.set(step.k)
         for k in step.chosen_k:
             CHOSEN_K.observe(k)

@@ -24,6 +24,12 @@ class StepStats:
     spec_sequences: int = 0
     # [k]: how many sequences emitted draft position j as an accepted token.
     accepted_by_position: list[int] = field(default_factory=list)
+    # The same counts for sequences under a grammar (structured output), and the tokens a
+    # grammar forced after the step's tokens (emitted with no forward at all: jump-forward).
+    constrained_draft_tokens: int = 0
+    constrained_accepted_tokens: int = 0
+    forced_tokens: int = 0
+    grammar_s: float = 0.0  # the engine's grammar work: syncing matchers, forced-token masks
     new_tokens: int = 0  # tokens appended to outputs (after stop rules)
     finished: int = 0  # sequences that finished this step
     propose_s: float = 0.0
@@ -34,9 +40,14 @@ class StepStats:
     bytes_received: int = 0
     services: dict[str, ServiceStats] = field(default_factory=dict)  # by role
 
-    def observe_draft(self, proposed: int, passed: int, emitted: int) -> None:
+    def observe_draft(self, proposed: int, passed: int, emitted: int,
+                      constrained: bool = False) -> None:
         """A speculating sequence: `proposed` draft tokens, `passed` of them passed the
-        accept test, `emitted` tokens emitted (its accepted prefix + 1)."""
+        accept test, `emitted` tokens emitted (its accepted prefix + 1); `constrained`: it
+        follows a grammar."""
+        if constrained:
+            self.constrained_draft_tokens += proposed
+            self.constrained_accepted_tokens += passed
         self.draft_tokens += proposed
         self.accepted_tokens += passed
         self.emitted_tokens += emitted

@@ -26,7 +26,8 @@ from orchestrator.frontend.admission import Admission, Slot
 from orchestrator.frontend.request import Generation, GenerationRequest, RequestLimits
 from specdecode import tracing
 from specdecode.api.usage import Usage, add_usage
-from specdecode.errors import Overloaded
+from specdecode.errors import InvalidRequestError, Overloaded
+from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.sequence import MAX_LOGPROBS
 
 
@@ -70,15 +71,19 @@ class Frontend:
     loaded = False
     info: ServedModel | None = None
     limits: RequestLimits | None = None
+    grammars: GrammarCompiler | str = "not loaded"
 
     def __init__(self, admission: Admission):
         # The output queue of every running generation, with its event loop.
         self._queues: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
         self.admission = admission
 
-    def attach(self, loop: EngineLoop, tokenizer, info: ServedModel,
-               limits: RequestLimits) -> None:
+    def attach(self, loop: EngineLoop, tokenizer, info: ServedModel, limits: RequestLimits,
+               grammars: GrammarCompiler | str = "no grammar compiler configured") -> None:
+        """grammars: what compiles structured output requests' grammars, or why this
+        server cannot (no tokenizer, a scorer without one)."""
         self.loop, self.tokenizer, self.info, self.limits = loop, tokenizer, info, limits
+        self.grammars = grammars
         self.loaded = True
 
     @property
@@ -98,6 +103,13 @@ class Frontend:
         """The request checked, tokenized off the event loop and resolved; InvalidRequestError
         naming the first bad field."""
         self.limits.check(req)
+        grammar = req.params.structured_output
+        if grammar is not None:
+            field = req.grammar_field or grammar.field
+            if isinstance(self.grammars, str):
+                raise InvalidRequestError(field, f"not served here: {self.grammars}")
+            # compiled (or refused) within the compiler's time limit, off the event loop
+            await asyncio.to_thread(self.grammars.matcher, grammar, field)
         prompt = req.prompt
         if isinstance(prompt, str):
             prompt = await asyncio.to_thread(self.tokenize, prompt, req.add_special_tokens)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from orchestrator.frontend.openai_structured import structured_output_of
 from orchestrator.frontend.request import GenerationRequest
 from specdecode.errors import TABLE as ERROR_TABLE
 from specdecode.errors import InvalidRequestError, Overloaded, message_of, status_of
@@ -83,6 +84,15 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # structured output (orchestrator.frontend.openai_structured)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # one engine here: accepted, nothing to pick
     # ours
     num_speculative_tokens: int | None = None
 
@@ -110,14 +120,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 
 def to_request(body: SamplingFields, prompt: str | list[int], max_tokens: int | None,
                 logprobs: int | None, **options) -> GenerationRequest:
     """The body as a GenerationRequest, OpenAI's defaults (temperature 1) and vLLM's
-    spellings (top_k -1 = off) applied."""
+    spellings (top_k -1 = off) applied, its structured output field read."""
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -125,6 +134,7 @@ def to_request(body: SamplingFields, prompt: str | list[int], max_tokens: int | 
         except ValueError:
             raise InvalidRequestError("logit_bias", f"keys must be token ids, got {key!r}") \
                 from None
+    grammar, grammar_field = structured_output_of(body)
     params = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p,
@@ -132,11 +142,13 @@ def to_request(body: SamplingFields, prompt: str | list[int], max_tokens: int | 
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0, logit_bias=bias, seed=body.seed,
-        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs)
+        stop_token_ids=tuple(body.stop_token_ids or ()), logprobs=logprobs,
+        structured_output=grammar)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return GenerationRequest(prompt, params, max_tokens=max_tokens, n=body.n, stop=stop,
                              ignore_eos=body.ignore_eos,
-                             num_speculative_tokens=body.num_speculative_tokens, **options)
+                             num_speculative_tokens=body.num_speculative_tokens,
+                             grammar_field=grammar_field, **options)
 
 
 def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -145,15 +157,12 @@ def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         unsupported = (("echo", body.echo), ("suffix", body.suffix is not None),
                        ("best_of", body.best_of not in (None, body.n)))
     else:
-        unsupported = (("tools", bool(body.tools)),
-                       ("response_format", bool(body.response_format)
-                        and body.response_format.get("type") != "text"))
+        unsupported = (("tools", bool(body.tools)),)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     for name, bad in unsupported:
         if bad:
-            detail = ' (only {"type": "text"})' if name == "response_format" else ""
-            raise APIError(400, f"{name}: not supported by this server{detail}", param=name)
+            raise APIError(400, f"{name}: not supported by this server", param=name)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -36,6 +36,8 @@ class GenerationRequest:
     request_id: str = ""  # "" = a fresh one
     prompt_field: str = "prompt"  # where the prompt is in the API's message, for errors
     add_special_tokens: bool = True  # tokenizing adds them (a rendered chat template has them)
+    # Where params.structured_output is in the API's message, for errors ("" = its own name).
+    grammar_field: str = ""
 
 
 @dataclass
@@ -145,7 +147,8 @@ class RequestLimits:
                 eos_token_id: int | None) -> Generation:
         """The Generation of a checked request whose prompt is `prompt` (its token ids):
         the prompt's length and ids, max_tokens within what the model leaves, the model's
-        end-of-sequence token among the stop ids unless ignore_eos."""
+        end-of-sequence token among the stop ids unless ignore_eos (a grammar's output ends
+        with it whatever ignore_eos says: it is the only token a complete grammar allows)."""
         self._check_prompt_len(len(prompt), req.prompt_field)
         validate_token_ids(prompt, [], self.vocab_size, self.max_model_len, req.prompt_field)
         room = self.max_model_len - len(prompt)
@@ -158,7 +161,7 @@ class RequestLimits:
         else:
             max_tokens = req.max_tokens
         stop_ids = tuple(req.params.stop_token_ids)
-        if eos_token_id is not None and not req.ignore_eos:
+        if eos_token_id is not None and (not req.ignore_eos or req.params.structured_output):
             stop_ids += (eos_token_id,)
         params = dataclasses.replace(req.params, max_tokens=max_tokens, stop_token_ids=stop_ids)
         return Generation(request_id, list(prompt), params, req.n, list(req.stop),

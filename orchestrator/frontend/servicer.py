@@ -13,6 +13,8 @@ from orchestrator.frontend.admission import Admission
 from orchestrator.frontend.generation import Frontend, ServedModel
 from orchestrator.frontend.request import GenerationRequest, RequestLimits
 from orchestrator.engine.loop import EngineLoop
+from specdecode.grammar.compiler import GrammarCompiler
+from specdecode import wire
 from specdecode.api import finish_reason
 from specdecode.api.usage import usage_to_proto
 from specdecode.errors import Overloaded
@@ -32,7 +34,8 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerationRequest:
         repetition_penalty=m.repetition_penalty or 1.0, presence_penalty=m.presence_penalty,
         frequency_penalty=m.frequency_penalty, logit_bias=dict(m.logit_bias),
         seed=m.seed if m.HasField("seed") else None, stop_token_ids=tuple(m.stop_token_ids),
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        structured_output=wire.structured_output_from_proto(m.structured_output))
     return GenerationRequest(
         prompt, params, max_tokens=m.max_tokens or None, n=m.n or 1, stop=list(m.stop),
         ignore_eos=m.ignore_eos,
@@ -50,7 +53,7 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
 
 class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServiceServicer):
     """Serves after attach(loop=EngineLoop, tokenizer=tokenizer or None, info=ServedModel,
-    limits=RequestLimits); the OpenAI HTTP API shares its `frontend`, with its limits and
+    limits=RequestLimits, grammars=GrammarCompiler or why none); the OpenAI HTTP API shares its `frontend`, with its limits and
     `admission` (the requests inside, running or queued, from both APIs together)."""
 
     info: ServedModel
@@ -58,9 +61,9 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
     def __init__(self, admission: Admission):
         self.frontend = Frontend(admission)
 
-    def attach(self, loop: EngineLoop, tokenizer, info: ServedModel,
-               limits: RequestLimits) -> None:
-        self.frontend.attach(loop, tokenizer, info, limits)
+    def attach(self, loop: EngineLoop, tokenizer, info: ServedModel, limits: RequestLimits,
+               grammars: GrammarCompiler | str = "no grammar compiler configured") -> None:
+        self.frontend.attach(loop, tokenizer, info, limits, grammars)
         super().attach(info=info)
 
     @property

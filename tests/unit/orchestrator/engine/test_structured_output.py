@@ -72,6 +72,17 @@ def test_greedy_equals_the_targets_constrained_decoding(kind, proposer, scoring)
             assert all(done[str(i)].stats.acceptance_rate == 1.0 for i in range(len(PROMPTS)))
 
 
+def test_forced_tokens_are_emitted_without_a_forward():
+    """Without speculation a step emits one target token: every other token of the output
+    is one the grammar forced, appended by the engine with no forward (jump-forward)."""
+    engine = build_inprocess_engine(tiny(TARGET), tiny(DRAFT), "multi-query", 0, CPU,
+                                    tokenizer=tokenizer())
+    seq = engine.generate([Request("r", PROMPTS[0], constrained(SPECS["json_schema"]))])["r"]
+    forced = engine.grammars.stats.forced
+    assert forced > 0 and seq.stats.completion_tokens == seq.stats.steps + forced
+    assert seq.output_token_ids == expected_greedy("json_schema")[0]
+
+
 def test_sampled_json_validates_against_its_schema():
     engine = build_inprocess_engine(tiny(TARGET), tiny(DRAFT), "multi-query", 3, CPU,
                                     tokenizer=tokenizer())
@@ -108,8 +119,8 @@ def test_sampled_tokens_follow_the_masked_target_with_a_draft_that_breaks_the_gr
     target = tiny(TARGET)
     worker = ModelWorker(ModelRunner(target, CPU), "target", Grammars(compiler()))
     engine = SpecDecodeEngine(MixtureProposer(ord("z"), [ord(c) for c in "abcd"]),
-                              make_scorer("multi-query", worker), vocab_size=VOCAB,
-                              max_model_len=256, num_speculative_tokens=2)
+                              make_scorer("multi-query", worker), max_model_len=256,
+                              num_speculative_tokens=2, grammars=Grammars(compiler()))
     params = dict(temperature=1.0)
     n, draws, draft_tokens = 2000, [], 0
     for start in range(0, n, 500):  # batches of 500 sequences
