@@ -28,6 +28,7 @@ from specdecode.auth import bearer_metadata
 from specdecode.tls import TlsFiles, channel_credentials
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
+from specdecode.v1.structured_output_pb2 import StructuredOutput
 
 @dataclass
 class GenerateResult:
@@ -62,16 +63,18 @@ def build_request(prompt: str | list[int], *, max_tokens: int = 0, temperature: 
                   stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                   logprobs: int | None = None, n: int = 0,
                   num_speculative_tokens: int | None = None,
-                  request_id: str = "") -> pb.GenerateRequest:
+                  request_id: str = "",
+                  structured_output: StructuredOutput | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; 0 leaves max_tokens, top_p, repetition_penalty and n at the
-    server's defaults (256 or --default-max-tokens, 1.0, 1.0, 1)."""
+    server's defaults (256 or --default-max-tokens, 1.0, 1.0, 1). structured_output: e.g.
+    StructuredOutput(regex="[0-9]+") or StructuredOutput(json_schema=json.dumps(schema))."""
     request = pb.GenerateRequest(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, logit_bias=logit_bias or {}, seed=seed,
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         logprobs=logprobs, n=n, num_speculative_tokens=num_speculative_tokens,
-        request_id=request_id)
+        request_id=request_id, structured_output=structured_output)
     if isinstance(prompt, str):
         request.text = prompt
     else:
