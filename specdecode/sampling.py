@@ -143,7 +143,11 @@ def sample_logits(logits: torch.Tensor, params: list[SamplingParams], positions:
         for i in controlled:
             shaped[i] = processed_logits(logits[i], params[i], histories[i])
     if allowed is not None:  # [N, V]
-        shaped = shaped.float().masked_fill(~allowed.to(shaped.device), float("-inf"))
+        masked = shaped.float().masked_fill(~allowed.to(shaped.device), float("-inf"))
+        # A pruned draft head (proposer_svc.pruned_head) may score none of the allowed
+        # tokens: that row drafts unmasked (any q stays exact); a target's never is.
+        scored = torch.isfinite(masked).any(-1, keepdim=True)  # [N, 1]
+        shaped = torch.where(scored, masked, shaped.float())
     token_ids = shaped.argmax(-1)  # [N]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     probs = None
