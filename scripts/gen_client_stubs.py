@@ -7,8 +7,9 @@ your choice, so they cannot shadow the `specdecode` package.
 writes DIR/<package>/ with spec_decode_service_pb2{,_grpc}.py, model_info_pb2.py and
 structured_output_pb2.py (what the public service imports), their imports rewritten to
 `<package>`. Plain protoc output would be a `specdecode/v1/` tree that, on sys.path, hides
-the installed `specdecode` package. The wire is unchanged (the proto package stays `specdecode.v1`); don't import
-these stubs and `specdecode.v1` in one process (both register the same proto files).
+the installed `specdecode` package. The wire is unchanged (the proto package stays
+`specdecode.v1`); don't import these stubs and `specdecode.v1` in one process (both
+register the same proto files).
 Needs grpcio-tools. Inside this project, use `specdecode.v1` directly.
 """
 

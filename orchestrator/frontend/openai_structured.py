@@ -71,8 +71,9 @@ def _structured_outputs(fields: Any, prefix: str = "") -> tuple[StructuredOutput
         raise InvalidRequestError(where(key), "not supported by this server")
     kinds = [key for key in _KINDS if fields.get(key) not in (None, False)]
     if len(kinds) != 1:
-        raise InvalidRequestError(prefix.rstrip("_") or "structured_outputs", "exactly one of "
-                                  f"{', '.join(_KINDS)} must be set, got {kinds or 'none'}")
+        raise InvalidRequestError(where(kinds[1]) if kinds else "structured_outputs",
+                                  f"exactly one of {', '.join(where(k) for k in _KINDS)} "
+                                  f"may be set, got {', '.join(map(where, kinds)) or 'none'}")
     key = kinds[0]
     value, field = fields[key], where(key)
     if key == "choice":

@@ -53,8 +53,9 @@ def logprobs_to_proto(entries: list[TokenLogprobs]) -> list[pb.TokenLogprobs]:
 
 class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServiceServicer):
     """Serves after attach(loop=EngineLoop, tokenizer=tokenizer or None, info=ServedModel,
-    limits=RequestLimits, grammars=GrammarCompiler or why none); the OpenAI HTTP API shares its `frontend`, with its limits and
-    `admission` (the requests inside, running or queued, from both APIs together)."""
+    limits=RequestLimits, grammars=GrammarCompiler or why there is none); the OpenAI HTTP
+    API shares its `frontend`, with its limits and `admission` (the requests inside,
+    running or queued, from both APIs together)."""
 
     info: ServedModel
 

@@ -164,8 +164,10 @@ BAD = [
 
 
 def test_bad_grammars_get_clear_errors_and_neighbours_go_on(stack, client):
-    neighbour = lambda: chat(client, "Order 3 as JSON.", temperature=0, response_format={  # noqa: E731
-        "type": "json_schema", "json_schema": {"name": "o", "schema": nested_schema(3)}})
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": nested_schema(3)}}
+
+    def neighbour():
+        return chat(client, "Order 3 as JSON.", temperature=0, response_format=fmt)
     expected = neighbour().choices[0].message.content
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(neighbour) for _ in range(3)]
@@ -203,8 +205,9 @@ def test_a_grammar_too_slow_to_compile_is_refused_and_remembered(stack, model_di
             plain = pool.submit(grpc_client.generate, [104, 105], max_tokens=64)
             for _ in range(2):  # the second is answered from the compiler's memory
                 with pytest.raises(openai.BadRequestError) as err:
-                    slow_client.completions.create(model=slow_client.models.list().data[0].id,
-                                                   prompt="x", extra_body={"guided_grammar": slow})
+                    slow_client.completions.create(
+                        model=slow_client.models.list().data[0].id, prompt="x",
+                        extra_body={"guided_grammar": slow})
                 assert err.value.body["param"] == "guided_grammar"
                 assert "did not compile within 0.001 s" in err.value.body["message"]
             with pytest.raises(grpc.RpcError) as rpc:
