@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.grammar.spec import StructuredOutput
@@ -144,7 +145,7 @@ class Grammars:
         of unconstrained groups, and rows past a disallowed draft token, allow everything."""
         if not any(sg.sampling_params.structured_output for sg in groups):
             return None
-        start = time.perf_counter()
+        start, masks_before = time.perf_counter(), self.stats.masks
         bitmask = torch.full((sum(num_queries), (self.vocab_size + 31) // 32), -1,
                              dtype=torch.int32)  # [N, W]
         row = 0
@@ -158,7 +159,12 @@ class Grammars:
                         bitmask[row + j] = m.bitmask()
                         self.stats.masks += 1
             row += q
-        self.stats.seconds += time.perf_counter() - start
+        seconds, masks = time.perf_counter() - start, self.stats.masks - masks_before
+        self.stats.seconds += seconds
+        span = trace.get_current_span()  # the caller's forward span, when traced
+        if span.is_recording():
+            span.set_attributes({"specdecode.grammar.masks": masks,
+                                 "specdecode.grammar.mask_seconds": seconds})
         return bitmask_to_allowed(bitmask, self.vocab_size)
 
     def forced_tokens(self, groups: list[SequenceGroupMetadata]) -> list[int | None]:
