@@ -86,9 +86,10 @@ def load_pair(pair: str, dtype: torch.dtype):
     draft_dir = resolve_model_dir(fetch("qwen2.5-coder-0.5b"))
     target_dir = resolve_model_dir(fetch("qwen2.5-coder-1.5b"))
     tok = load_tokenizer(target_dir)
-    prompts = [tok.apply_chat_template(
+    prompts = [tok(tok.apply_chat_template(
         [{"role": "user", "content": f"Extract the details as JSON: {text}"}],
-        add_generation_prompt=True) for text, _ in TASKS]
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+        for text, _ in TASKS]
     return (load_model(target_dir, torch.device("cpu"), dtype),
             load_model(draft_dir, torch.device("cpu"), dtype), tok, draft_dir, prompts)
 

@@ -343,7 +343,10 @@ class SpecDecodeEngine:
                 stats.observe_draft(n, passed[i], len(tokens), constrained)
             seq.stats.observe_step(n, len(tokens))
             new = append_tokens(seq, tokens, self.max_model_len)
-            if constrained and self.grammars is not None and not seq.finish_reason:
+            # (a request that wants logprobs gets its forced tokens from forwards: the
+            # model's log-probabilities of a token nothing computed are unknown)
+            if (constrained and self.grammars is not None and not seq.finish_reason
+                    and seq.request.sampling_params.logprobs is None):
                 new += self._jump_forward(seq, stats)
             stats.new_tokens += len(new)
             logprobs = None if scores.logprobs is None else scores.logprobs[i]

@@ -83,6 +83,23 @@ def test_forced_tokens_are_emitted_without_a_forward():
     assert seq.output_token_ids == expected_greedy("json_schema")[0]
 
 
+def test_logprobs_requests_get_forced_tokens_from_forwards():
+    """Jump-forward would leave forced tokens without the model's log-probabilities: such a
+    request takes them from forwards, one logprob entry per token, the same output."""
+    engine = build_inprocess_engine(tiny(TARGET), tiny(DRAFT), "multi-query", 2, CPU,
+                                    tokenizer=tokenizer())
+    request = Request("r", PROMPTS[0], constrained(SPECS["json_schema"], logprobs=1))
+    engine.add_request(request)
+    tokens, entries = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            entries += out.logprobs
+    assert engine.grammars.stats.forced == 0
+    assert tokens == expected_greedy("json_schema")[0]
+    assert [e.token_id for e in entries] == tokens
+
+
 def test_sampled_json_validates_against_its_schema():
     engine = build_inprocess_engine(tiny(TARGET), tiny(DRAFT), "multi-query", 3, CPU,
                                     tokenizer=tokenizer())
