@@ -23,7 +23,9 @@ largest |difference|. JSON: bench/results/invariance_<model>.json
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, n
 from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
 from specdecode.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend  # noqa: E402
-from specdecode.invariant_ops import tiled_linear  # noqa: E402
+from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, tiled_linear  # noqa: E402
 from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -230,6 +232,67 @@ class ForwardProbe:
                       self.deterministic, *r) for c, *r in results]
 
 
+FORWARDS = {  # what a cost is measured on: rows x new tokens per row, on a warm cache
+    "decode 1 row": (1, 1), "decode 8 rows": (8, 1), "verify 1 row x 9": (1, 9),
+    "verify 4 rows x 5": (4, 5), "verify 8 rows x 9": (8, 9), "prefill 64": (1, 64),
+    "prefill 512": (1, 512)}
+FIXES = ("off", "linears tiled", "attention per query", "on")  # which fix is applied
+
+
+def fix_runner(model, fix: str) -> ModelRunner:
+    """A runner with one fix, both (on) or neither (off). Tiling converts the model: off and
+    the attention fix alone run first."""
+    backend = InvariantSdpaBackend() if fix in ("attention per query", "on") else SdpaBackend()
+    return ModelRunner(model, CPU, max_model_len=1024, max_num_seqs=16, backend=backend,
+                       deterministic=fix in ("linears tiled", "on"))
+
+
+def forward_seconds(runner: ModelRunner, rows: int, tokens: int, repeats: int) -> float:
+    """Median seconds of one forward of `rows` rows x `tokens` new tokens (32 cached each)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.vocab_size
+    prefixes = [torch.randint(vocab, (32,), generator=gen).tolist() for _ in range(rows)]
+    runner.forward([RunnerRow(i, p, 1) for i, p in enumerate(prefixes)])
+    new = [p + torch.randint(vocab, (tokens,), generator=gen).tolist() for p in prefixes]
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        runner.forward([RunnerRow(i, t, tokens) for i, t in enumerate(new)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def costs(model_name: str, dtype, tiles: list[int], repeats: int) -> list[dict]:
+    """Forward milliseconds per fix (and per tile size, for the fixes that tile)."""
+    model, out = load(model_name, dtype), []
+    for fix in FIXES:
+        for tile in (tiles if fix in ("linears tiled", "on") else [0]):
+            RowTiledLinear.tile = tile or ROW_TILE
+            runner = fix_runner(model, fix)
+            for name, (rows, tokens) in FORWARDS.items():
+                ms = 1e3 * forward_seconds(runner, rows, tokens, repeats)
+                out.append({"fix": fix, "tile": tile, "forward": name, "ms": ms})
+                print(json.dumps(out[-1]), flush=True)
+            del runner
+    RowTiledLinear.tile = ROW_TILE
+    return out
+
+
+def cost_table(rows: list[dict], title: str) -> Table:
+    cols = list(dict.fromkeys((r["fix"], r["tile"]) for r in rows))
+    table = Table(title=title)
+    table.add_column("forward")
+    for fix, tile in cols:
+        table.add_column(fix + (f" T={tile}" if tile else "") + " ms")
+    by = {(r["forward"], r["fix"], r["tile"]): r["ms"] for r in rows}
+    for name in FORWARDS:
+        base = by[(name, "off", 0)]
+        table.add_row(name, *(f"{by[(name, f, t)]:.1f}" + ("" if f == "off" else
+                                                          f" ({by[(name, f, t)] / base:.2f}x)")
+                              for f, t in cols))
+    return table
+
+
 def load(model_name: str, dtype):
     if model_name == "tiny":
         return build_tiny_model(TinyModelSpec(seed=1)).to(dtype)
@@ -268,15 +331,33 @@ def report(probes: list[Probe], title: str) -> Table:
 @click.option("--model", "model_name", default="smollm2", show_default=True,
               type=click.Choice(["smollm2", "qwen", "tiny"]))
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
+@click.option("--parts", default="probes,costs", show_default=True,
+              help="probes: the invariance table; costs: forward times per fix (first dtype).")
+@click.option("--tiles", default=f"8,{ROW_TILE},32", show_default=True,
+              help="Tile sizes the costs part times the tiled linears at.")
+@click.option("--repeats", default=5, show_default=True, help="Timed forwards per cell.")
+@click.option("--quick", is_flag=True, help="Probe fewer batch sizes (a CI-sized run).")
 @click.option("--out", default=None, help="JSON path [bench/results/invariance_<model>.json].")
-def main(model_name: str, dtypes: str, out: str | None) -> None:
-    probes = measure(model_name, dtypes.split(","))
-    Console(width=160).print(report(probes, f"Row invariance, {model_name}, CPU "
-                                            f"({torch.get_num_threads()} threads): "
-                                            "rows that differ from the row alone"))
+def main(model_name, dtypes, parts, tiles, repeats, quick, out) -> None:
+    global ROWS, FORWARDS
+    if quick:
+        ROWS = (2, 9, 17)
+        FORWARDS = {k: v for k, v in FORWARDS.items() if k in ("decode 1 row", "verify 1 row x 9")}
+    console, result = Console(width=160), {}
+    threads = f"CPU, {torch.get_num_threads()} threads"
+    if "probes" in parts:
+        probes = measure(model_name, dtypes.split(","))
+        console.print(report(probes, f"Row invariance, {model_name}, {threads}: rows that "
+                                     "differ from the row alone"))
+        result["probes"] = [asdict(p) for p in probes]
+    if "costs" in parts:
+        dtype = getattr(torch, dtypes.split(",")[0])
+        result["costs"] = costs(model_name, dtype, [int(t) for t in tiles.split(",")], repeats)
+        console.print(cost_table(result["costs"], f"Forward cost of each fix, {model_name} "
+                                                  f"{dtype}, {threads} (median of {repeats})"))
     path = Path(out or f"bench/results/invariance_{model_name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(p) for p in probes], indent=2))
+    path.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
