@@ -22,6 +22,7 @@ largest |difference|. JSON: bench/results/invariance_<model>.json
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
@@ -239,42 +240,52 @@ FORWARDS = {  # what a cost is measured on: rows x new tokens per row, on a warm
 FIXES = ("off", "linears tiled", "attention per query", "on")  # which fix is applied
 
 
-def fix_runner(model, fix: str) -> ModelRunner:
-    """A runner with one fix, both (on) or neither (off). Tiling converts the model: off and
-    the attention fix alone run first."""
-    backend = InvariantSdpaBackend() if fix in ("attention per query", "on") else SdpaBackend()
-    return ModelRunner(model, CPU, max_model_len=1024, max_num_seqs=16, backend=backend,
-                       deterministic=fix in ("linears tiled", "on"))
+def fix_runners(model) -> dict[str, ModelRunner]:
+    """A runner per fix: neither (off), one, or both (on). The tiled ones run a converted
+    copy of the model, so that all four time the same forward side by side."""
+    tiled = copy.deepcopy(model)
+
+    def runner(m, attention_fix: bool, deterministic: bool) -> ModelRunner:
+        backend = InvariantSdpaBackend() if attention_fix else SdpaBackend()
+        return ModelRunner(m, CPU, max_model_len=1024, max_num_seqs=16, backend=backend,
+                           deterministic=deterministic)
+    return {"off": runner(model, False, False), "linears tiled": runner(tiled, False, True),
+            "attention per query": runner(model, True, False), "on": runner(tiled, True, True)}
 
 
-def forward_seconds(runner: ModelRunner, rows: int, tokens: int, repeats: int) -> float:
-    """Median seconds of one forward of `rows` rows x `tokens` new tokens (32 cached each)."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = runner.vocab_size
-    prefixes = [torch.randint(vocab, (32,), generator=gen).tolist() for _ in range(rows)]
-    runner.forward([RunnerRow(i, p, 1) for i, p in enumerate(prefixes)])
-    new = [p + torch.randint(vocab, (tokens,), generator=gen).tolist() for p in prefixes]
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        runner.forward([RunnerRow(i, t, tokens) for i, t in enumerate(new)])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def set_tile(model, tile: int) -> None:
+    for m in model.modules():
+        if isinstance(m, RowTiledLinear):
+            m.tile = tile
 
 
 def costs(model_name: str, dtype, tiles: list[int], repeats: int) -> list[dict]:
-    """Forward milliseconds per fix (and per tile size, for the fixes that tile)."""
-    model, out = load(model_name, dtype), []
-    for fix in FIXES:
-        for tile in (tiles if fix in ("linears tiled", "on") else [0]):
-            RowTiledLinear.tile = tile or ROW_TILE
-            runner = fix_runner(model, fix)
-            for name, (rows, tokens) in FORWARDS.items():
-                ms = 1e3 * forward_seconds(runner, rows, tokens, repeats)
-                out.append({"fix": fix, "tile": tile, "forward": name, "ms": ms})
-                print(json.dumps(out[-1]), flush=True)
-            del runner
-    RowTiledLinear.tile = ROW_TILE
+    """Forward milliseconds per fix (and per tile size for the fixes that tile), each cell's
+    forwards interleaved with the others' so that a loaded machine's drift falls on all."""
+    runners = fix_runners(load(model_name, dtype))
+    cells = [(fix, tile) for fix in FIXES
+             for tile in (tiles if fix in ("linears tiled", "on") else [0])]
+    out = []
+    for name, (rows, tokens) in FORWARDS.items():
+        gen = torch.Generator().manual_seed(0)
+        vocab = runners["off"].vocab_size
+        prefixes = [torch.randint(vocab, (32,), generator=gen).tolist() for _ in range(rows)]
+        batch = [RunnerRow(i, p + torch.randint(vocab, (tokens,), generator=gen).tolist(),
+                           tokens) for i, p in enumerate(prefixes)]
+        for r in runners.values():  # 32 cached tokens per row, and a warm-up
+            r.forward([RunnerRow(i, p, 1) for i, p in enumerate(prefixes)])
+            r.forward(batch)
+        times: dict[tuple[str, int], list[float]] = {c: [] for c in cells}
+        for _ in range(repeats):
+            for fix, tile in cells:
+                set_tile(runners[fix].model, tile or ROW_TILE)
+                start = time.perf_counter()
+                runners[fix].forward(batch)
+                times[(fix, tile)].append(time.perf_counter() - start)
+        for (fix, tile), t in times.items():
+            out.append({"fix": fix, "tile": tile, "forward": name,
+                        "ms": 1e3 * statistics.median(t)})
+            print(json.dumps(out[-1]), flush=True)
     return out
 
 
