@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, n
 from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 
 from specdecode.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend  # noqa: E402
-from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, tiled_linear  # noqa: E402
+from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, make_row_invariant  # noqa: E402
 from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -110,19 +110,18 @@ def attention_probes(backend, kv_heads: int, groups: int, head_dim: int, dtype,
 
 @torch.inference_mode()
 def operator_probes(model, dtype, deterministic: bool) -> list[Probe]:
+    if deterministic:  # its linears become RowTiledLinears (off runs first)
+        make_row_invariant(model)
     layer, config = model.model.layers[0], model.config
-    linear = ((lambda m: lambda x: tiled_linear(x, m.weight, m.bias)) if deterministic
-              else (lambda m: m))
     found = []
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         m = getattr(layer.self_attn, name)
-        found.append((f"linear {name} {m.in_features}x{m.out_features}", linear(m), m.in_features))
+        found.append((f"linear {name} {m.in_features}x{m.out_features}", m, m.in_features))
     for name in ("gate_proj", "up_proj", "down_proj"):
         m = getattr(layer.mlp, name)
-        found.append((f"linear {name} {m.in_features}x{m.out_features}", linear(m), m.in_features))
+        found.append((f"linear {name} {m.in_features}x{m.out_features}", m, m.in_features))
     head = model.get_output_embeddings()
-    found.append((f"LM head {head.in_features}x{head.out_features}", linear(head),
-                  head.in_features))
+    found.append((f"LM head {head.in_features}x{head.out_features}", head, head.in_features))
     found.append(("RMSNorm", layer.input_layernorm, config.hidden_size))
     inter = config.intermediate_size
     found.append(("SiLU(gate) x up", lambda x: layer.mlp.act_fn(x[:, :inter]) * x[:, inter:],
@@ -259,9 +258,12 @@ def set_tile(model, tile: int) -> None:
             m.tile = tile
 
 
-def costs(model_name: str, dtype, tiles: list[int], repeats: int) -> list[dict]:
+def costs(model_name: str, dtype, tiles: list[int], repeats: int, clock=time.perf_counter
+          ) -> list[dict]:
     """Forward milliseconds per fix (and per tile size for the fixes that tile), each cell's
-    forwards interleaved with the others' so that a loaded machine's drift falls on all."""
+    forwards interleaved with the others' so that a loaded machine's drift falls on all.
+    clock: wall time, or the process's CPU time (time.process_time: what a forward costs
+    whatever else the machine runs, single-threaded)."""
     runners = fix_runners(load(model_name, dtype))
     cells = [(fix, tile) for fix in FIXES
              for tile in (tiles if fix in ("linears tiled", "on") else [0])]
@@ -279,9 +281,9 @@ def costs(model_name: str, dtype, tiles: list[int], repeats: int) -> list[dict]:
         for _ in range(repeats):
             for fix, tile in cells:
                 set_tile(runners[fix].model, tile or ROW_TILE)
-                start = time.perf_counter()
+                start = clock()
                 runners[fix].forward(batch)
-                times[(fix, tile)].append(time.perf_counter() - start)
+                times[(fix, tile)].append(clock() - start)
         for (fix, tile), t in times.items():
             out.append({"fix": fix, "tile": tile, "forward": name,
                         "ms": 1e3 * statistics.median(t)})
@@ -347,9 +349,12 @@ def report(probes: list[Probe], title: str) -> Table:
 @click.option("--tiles", default=f"8,{ROW_TILE},32", show_default=True,
               help="Tile sizes the costs part times the tiled linears at.")
 @click.option("--repeats", default=5, show_default=True, help="Timed forwards per cell.")
+@click.option("--clock", default="wall", type=click.Choice(["wall", "cpu"]), show_default=True,
+              help="cpu: the process's CPU time per forward (a loaded machine; with "
+                   "OMP_NUM_THREADS=1 it is what the forward costs).")
 @click.option("--quick", is_flag=True, help="Probe fewer batch sizes (a CI-sized run).")
 @click.option("--out", default=None, help="JSON path [bench/results/invariance_<model>.json].")
-def main(model_name, dtypes, parts, tiles, repeats, quick, out) -> None:
+def main(model_name, dtypes, parts, tiles, repeats, clock, quick, out) -> None:
     global ROWS, FORWARDS
     if quick:
         ROWS = (2, 9, 17)
@@ -363,9 +368,11 @@ def main(model_name, dtypes, parts, tiles, repeats, quick, out) -> None:
         result["probes"] = [asdict(p) for p in probes]
     if "costs" in parts:
         dtype = getattr(torch, dtypes.split(",")[0])
-        result["costs"] = costs(model_name, dtype, [int(t) for t in tiles.split(",")], repeats)
+        result["costs"] = costs(model_name, dtype, [int(t) for t in tiles.split(",")], repeats,
+                                time.process_time if clock == "cpu" else time.perf_counter)
         console.print(cost_table(result["costs"], f"Forward cost of each fix, {model_name} "
-                                                  f"{dtype}, {threads} (median of {repeats})"))
+                                                  f"{dtype}, {threads}, {clock} ms (median of "
+                                                  f"{repeats})"))
     path = Path(out or f"bench/results/invariance_{model_name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

@@ -39,6 +39,24 @@ def test_a_tiled_row_is_the_same_bits_alone_and_among_any_number_of_rows(dtype, 
         assert torch.equal(tiled_linear(x[7:7 + ROW_TILE + 2], weight, bias), alone[7:ROW_TILE + 9])
 
 
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_a_row_tiled_linear_is_row_invariant_and_computes_what_tiles_of_f_linear_do(shape):
+    """bf16 on a CPU with bf16 units: the weight packed once for the tile gives F.linear's
+    bits on the same tiles; replacing the weight repacks it."""
+    K, N = shape
+    torch.manual_seed(0)
+    layer = nn.Linear(K, N, dtype=torch.bfloat16)
+    make_row_invariant(layer)
+    x = torch.randn(2 * ROW_TILE + 3, K, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        assert torch.equal(out, tiled_linear(x, layer.weight, layer.bias))
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        assert torch.equal(out, alone)
+        layer.weight = nn.Parameter(layer.weight * 2, requires_grad=False)
+        assert torch.equal(layer(x), tiled_linear(x, layer.weight, layer.bias))
+
+
 def test_tiled_linear_keeps_leading_dimensions_and_empty_inputs():
     weight, x = torch.randn(8, 4), torch.randn(2, 3, 4)
     out = tiled_linear(x, weight)
