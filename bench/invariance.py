@@ -252,21 +252,12 @@ def fix_runners(model) -> dict[str, ModelRunner]:
             "attention per query": runner(model, True, False), "on": runner(tiled, True, True)}
 
 
-def set_tile(model, tile: int) -> None:
-    for m in model.modules():
-        if isinstance(m, RowTiledLinear):
-            m.tile = tile
-
-
-def costs(model_name: str, dtype, tiles: list[int], repeats: int, clock=time.perf_counter
-          ) -> list[dict]:
-    """Forward milliseconds per fix (and per tile size for the fixes that tile), each cell's
-    forwards interleaved with the others' so that a loaded machine's drift falls on all.
-    clock: wall time, or the process's CPU time (time.process_time: what a forward costs
-    whatever else the machine runs, single-threaded)."""
+def costs(model_name: str, dtype, repeats: int, clock=time.perf_counter) -> list[dict]:
+    """Forward milliseconds per fix, each cell's forwards interleaved with the others' so
+    that a loaded machine's drift falls on all. clock: wall time, or the process's CPU time
+    (time.process_time: what a forward costs whatever else the machine runs, with
+    OMP_NUM_THREADS=1)."""
     runners = fix_runners(load(model_name, dtype))
-    cells = [(fix, tile) for fix in FIXES
-             for tile in (tiles if fix in ("linears tiled", "on") else [0])]
     out = []
     for name, (rows, tokens) in FORWARDS.items():
         gen = torch.Generator().manual_seed(0)
@@ -277,32 +268,29 @@ def costs(model_name: str, dtype, tiles: list[int], repeats: int, clock=time.per
         for r in runners.values():  # 32 cached tokens per row, and a warm-up
             r.forward([RunnerRow(i, p, 1) for i, p in enumerate(prefixes)])
             r.forward(batch)
-        times: dict[tuple[str, int], list[float]] = {c: [] for c in cells}
+        times: dict[str, list[float]] = {fix: [] for fix in FIXES}
         for _ in range(repeats):
-            for fix, tile in cells:
-                set_tile(runners[fix].model, tile or ROW_TILE)
+            for fix in FIXES:
                 start = clock()
                 runners[fix].forward(batch)
-                times[(fix, tile)].append(clock() - start)
-        for (fix, tile), t in times.items():
-            out.append({"fix": fix, "tile": tile, "forward": name,
+                times[fix].append(clock() - start)
+        for fix, t in times.items():
+            out.append({"fix": fix, "tile": RowTiledLinear.tile, "forward": name,
                         "ms": 1e3 * statistics.median(t)})
             print(json.dumps(out[-1]), flush=True)
     return out
 
 
 def cost_table(rows: list[dict], title: str) -> Table:
-    cols = list(dict.fromkeys((r["fix"], r["tile"]) for r in rows))
     table = Table(title=title)
-    table.add_column("forward")
-    for fix, tile in cols:
-        table.add_column(fix + (f" T={tile}" if tile else "") + " ms")
-    by = {(r["forward"], r["fix"], r["tile"]): r["ms"] for r in rows}
+    for col in ("forward", *(f"{fix} ms" for fix in FIXES)):
+        table.add_column(col)
+    by = {(r["forward"], r["fix"]): r["ms"] for r in rows}
     for name in FORWARDS:
-        base = by[(name, "off", 0)]
-        table.add_row(name, *(f"{by[(name, f, t)]:.1f}" + ("" if f == "off" else
-                                                          f" ({by[(name, f, t)] / base:.2f}x)")
-                              for f, t in cols))
+        base = by[(name, "off")]
+        table.add_row(name, *(f"{by[(name, f)]:.1f}" + ("" if f == "off" else
+                                                       f" ({by[(name, f)] / base:.2f}x)")
+                              for f in FIXES))
     return table
 
 
@@ -346,15 +334,16 @@ def report(probes: list[Probe], title: str) -> Table:
 @click.option("--dtypes", default="bfloat16,float32", show_default=True)
 @click.option("--parts", default="probes,costs", show_default=True,
               help="probes: the invariance table; costs: forward times per fix (first dtype).")
-@click.option("--tiles", default=f"8,{ROW_TILE},32", show_default=True,
-              help="Tile sizes the costs part times the tiled linears at.")
+@click.option("--tile", default=ROW_TILE, show_default=True,
+              help="Rows per matmul call of the tiled linears (the costs part; one size per "
+                   "run, so that each keeps one packed weight).")
 @click.option("--repeats", default=5, show_default=True, help="Timed forwards per cell.")
 @click.option("--clock", default="wall", type=click.Choice(["wall", "cpu"]), show_default=True,
               help="cpu: the process's CPU time per forward (a loaded machine; with "
                    "OMP_NUM_THREADS=1 it is what the forward costs).")
 @click.option("--quick", is_flag=True, help="Probe fewer batch sizes (a CI-sized run).")
 @click.option("--out", default=None, help="JSON path [bench/results/invariance_<model>.json].")
-def main(model_name, dtypes, parts, tiles, repeats, clock, quick, out) -> None:
+def main(model_name, dtypes, parts, tile, repeats, clock, quick, out) -> None:
     global ROWS, FORWARDS
     if quick:
         ROWS = (2, 9, 17)
@@ -368,11 +357,12 @@ def main(model_name, dtypes, parts, tiles, repeats, clock, quick, out) -> None:
         result["probes"] = [asdict(p) for p in probes]
     if "costs" in parts:
         dtype = getattr(torch, dtypes.split(",")[0])
-        result["costs"] = costs(model_name, dtype, [int(t) for t in tiles.split(",")], repeats,
+        RowTiledLinear.tile = tile
+        result["costs"] = costs(model_name, dtype, repeats,
                                 time.process_time if clock == "cpu" else time.perf_counter)
         console.print(cost_table(result["costs"], f"Forward cost of each fix, {model_name} "
-                                                  f"{dtype}, {threads}, {clock} ms (median of "
-                                                  f"{repeats})"))
+                                                  f"{dtype}, {threads}, {clock} ms, tile "
+                                                  f"{tile} (median of {repeats})"))
     path = Path(out or f"bench/results/invariance_{model_name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
