@@ -40,6 +40,11 @@ class AttnBatch:
     def num_rows(self) -> int:
         return len(self.kv_starts)
 
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        """Per row: (its first packed query, the end of its queries, its first pool slot,
+        its keys)."""
+        return list(zip(self.q_starts, self.q_starts[1:], self.kv_starts, self.kv_lens))
+
 
 class AttentionBackend:
     """Owns the pool's layout: allocates it, writes new keys/values, attends over it."""
@@ -102,9 +107,8 @@ class SdpaBackend(AttentionBackend):
         kv_heads = kv_layer.shape[1]
         g = H // kv_heads
         out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-        for i in range(batch.num_rows):
-            a, b = batch.q_starts[i], batch.q_starts[i + 1]
-            s, kv_len, n = batch.kv_starts[i], batch.kv_lens[i], b - a
+        for i, (a, b, s, kv_len) in enumerate(batch.rows()):
+            n = b - a
             k = kv_layer[0, :, s:s + kv_len][None]  # [1, kv_heads, kv_len, D], a view
             v = kv_layer[1, :, s:s + kv_len][None]
             if n == kv_len and n > 1:  # prefill from scratch
@@ -137,9 +141,8 @@ class InvariantSdpaBackend(SdpaBackend):
         N, H, D = q.shape
         kv_heads = kv_layer.shape[1]
         out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-        for i in range(batch.num_rows):
-            a, b = batch.q_starts[i], batch.q_starts[i + 1]
-            s, first = batch.kv_starts[i], batch.kv_lens[i] - (b - a) + 1  # keys of query a
+        for a, b, s, kv_len in batch.rows():
+            first = kv_len - (b - a) + 1  # the keys query a sees
             for j in range(b - a):
                 k = kv_layer[0, :, s:s + first + j][None]  # [1, kv_heads, position + 1, D]
                 v = kv_layer[1, :, s:s + first + j][None]
@@ -206,9 +209,7 @@ class NpuBackend(SdpaBackend):
         N, H, D = q.shape
         kv_heads = kv_layer.shape[1]
         out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-        for i in range(batch.num_rows):
-            a, b = batch.q_starts[i], batch.q_starts[i + 1]
-            s, kv_len = batch.kv_starts[i], batch.kv_lens[i]
+        for a, b, s, kv_len in batch.rows():
             mask = None if b - a == 1 else ~causal_mask(b - a, kv_len, q.device)  # True = masked
             o, _ = torch_npu.npu_fused_infer_attention_score(
                 q[a:b].transpose(0, 1)[None], kv_layer[0, :, s:s + kv_len][None],
