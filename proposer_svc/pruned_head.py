@@ -48,19 +48,23 @@ def frequency_order(model_dir: str | Path | None, vocab_size: int) -> list[int]:
 
 class PrunedLMHead(nn.Module):
     """Drop-in for a model's `lm_head` (nn.Linear hidden -> V): logits for the kept ids,
-    -inf elsewhere. keep: [N] long, ascending."""
+    -inf elsewhere. keep: [N] long, ascending. The kept rows form a linear of the head's own
+    class (a row-invariant head stays row-invariant: specdecode.invariant_ops)."""
 
     def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
         super().__init__()
-        self.vocab_size = lm_head.weight.shape[0]
-        self.register_buffer("keep", keep.to(lm_head.weight.device))
-        self.weight = nn.Parameter(lm_head.weight.detach()[self.keep].clone(), requires_grad=False)
-        bias = lm_head.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach()[self.keep].clone(),
-                                                           requires_grad=False)
+        weight = lm_head.weight
+        self.vocab_size = weight.shape[0]
+        self.register_buffer("keep", keep.to(weight.device))
+        self.proj = type(lm_head)(weight.shape[1], len(keep), bias=lm_head.bias is not None,
+                                  device="meta")
+        self.proj.weight = nn.Parameter(weight.detach()[self.keep].clone(), requires_grad=False)
+        if lm_head.bias is not None:
+            self.proj.bias = nn.Parameter(lm_head.bias.detach()[self.keep].clone(),
+                                          requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        sub = nn.functional.linear(hidden, self.weight, self.bias)  # [..., N]
+        sub = self.proj(hidden)  # [..., N]
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
         return full.index_copy_(-1, self.keep, sub)
 

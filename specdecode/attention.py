@@ -12,6 +12,8 @@ Backends (docs/design.md, Executor):
   when `flash_attn` is installed; one call per layer, shapes fixed by the batch (so it can be
   captured in a CUDA graph). NOT RUN HERE: written without a GPU.
 - `NpuBackend`: torch_npu's fused inference attention per row on Ascend. NOT RUN HERE.
+- `InvariantSdpaBackend`: the deterministic mode's: every query attends as a one-token decode
+  would, so its result does not depend on how many queries its row has.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class AttnBatch:
     @property
     def num_rows(self) -> int:
         return len(self.kv_starts)
+
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        """Per row: (its first packed query, the end of its queries, its first pool slot,
+        its keys)."""
+        return list(zip(self.q_starts, self.q_starts[1:], self.kv_starts, self.kv_lens))
 
 
 class AttentionBackend:
@@ -100,9 +107,8 @@ class SdpaBackend(AttentionBackend):
         kv_heads = kv_layer.shape[1]
         g = H // kv_heads
         out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-        for i in range(batch.num_rows):
-            a, b = batch.q_starts[i], batch.q_starts[i + 1]
-            s, kv_len, n = batch.kv_starts[i], batch.kv_lens[i], b - a
+        for i, (a, b, s, kv_len) in enumerate(batch.rows()):
+            n = b - a
             k = kv_layer[0, :, s:s + kv_len][None]  # [1, kv_heads, kv_len, D], a view
             v = kv_layer[1, :, s:s + kv_len][None]
             if n == kv_len and n > 1:  # prefill from scratch
@@ -116,6 +122,32 @@ class SdpaBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qg, k, v, attn_mask=batch.extra["masks"][i],
                                                    scale=scale)  # [1, kv_heads, g*n, D]
                 out[a:b] = o.view(kv_heads, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+        return out.view(N, H * D)
+
+
+class InvariantSdpaBackend(SdpaBackend):
+    """Decode-equivalent attention (docs/design.md, Invariant numerics): every query is one
+    scaled_dot_product_attention call over exactly the keys it sees, shaped as a one-token
+    decode ([1, kv_heads, g, D] over [1, kv_heads, position + 1, D]). A query of a verify or
+    of a prefill chunk therefore takes the very call a decode at its position takes: the same
+    kernel, the same key blocks, the same reduction order, whatever the number of queries."""
+
+    name = "sdpa-invariant"
+
+    def prepare(self, batch, num_groups, device):
+        pass  # no masks: each query reads a prefix of its row's keys
+
+    def attend(self, q, kv_layer, batch, scale):
+        N, H, D = q.shape
+        kv_heads = kv_layer.shape[1]
+        out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
+        for a, b, s, kv_len in batch.rows():
+            first = kv_len - (b - a) + 1  # the keys query a sees
+            for j in range(b - a):
+                k = kv_layer[0, :, s:s + first + j][None]  # [1, kv_heads, position + 1, D]
+                v = kv_layer[1, :, s:s + first + j][None]
+                qg = q[a + j].view(1, kv_heads, H // kv_heads, D)  # [1, kv_heads, g, D]
+                out[a + j] = F.scaled_dot_product_attention(qg, k, v, scale=scale).view(H, D)
         return out.view(N, H * D)
 
 
@@ -177,9 +209,7 @@ class NpuBackend(SdpaBackend):
         N, H, D = q.shape
         kv_heads = kv_layer.shape[1]
         out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
-        for i in range(batch.num_rows):
-            a, b = batch.q_starts[i], batch.q_starts[i + 1]
-            s, kv_len = batch.kv_starts[i], batch.kv_lens[i]
+        for a, b, s, kv_len in batch.rows():
             mask = None if b - a == 1 else ~causal_mask(b - a, kv_len, q.device)  # True = masked
             o, _ = torch_npu.npu_fused_infer_attention_score(
                 q[a:b].transpose(0, 1)[None], kv_layer[0, :, s:s + kv_len][None],

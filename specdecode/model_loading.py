@@ -25,6 +25,7 @@ class ModelOptions:
     kv_cache_memory: int | None = None  # bytes; None = the runner's default budget
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enforce_eager: bool = False  # no captured graphs (CUDA)
+    deterministic: bool = False  # row-invariant numerics (specdecode.invariant_ops)
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
@@ -52,7 +53,8 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
     model_dir = resolve_model_dir(options.model)
     model = load_model(model_dir, device, resolve_dtype(options.dtype))
     runner = ModelRunner(model, device, options.max_model_len, options.kv_cache_memory,
-                         options.max_num_seqs, enforce_eager=options.enforce_eager)
+                         options.max_num_seqs, enforce_eager=options.enforce_eager,
+                         deterministic=options.deterministic)
     if has_tokenizer(model_dir):
         fingerprint = tokenizer_fingerprint(load_tokenizer(model_dir))
     else:

@@ -28,10 +28,11 @@ import torch
 from opentelemetry import trace
 from transformers import DynamicCache
 
-from specdecode.attention import (AttentionBackend, AttnBatch, FlashAttnBackend, SdpaBackend,
-                                  select_backend)
+from specdecode.attention import (AttentionBackend, AttnBatch, FlashAttnBackend,
+                                  InvariantSdpaBackend, SdpaBackend, select_backend)
 from specdecode.cuda_graphs import QUERY_LENS, CudaGraphs
 from specdecode.fast_forward import LlamaLikeForward, fast_path_unsupported
+from specdecode.invariant_ops import make_row_invariant
 from specdecode.kv_pool import KVPool, PoolEntry, PoolFull
 
 log = logging.getLogger(__name__)
@@ -112,13 +113,21 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  enforce_eager: bool = False, backend: AttentionBackend | None = None,
-                 fast_path: bool = True):
+                 fast_path: bool = True, deterministic: bool = False):
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
         why_not = fast_path_unsupported(model) if fast_path else "disabled"
         self.fast = LlamaLikeForward(model) if why_not is None else None
         dtype = next(model.parameters()).dtype
+        # Row-invariant numerics need the fast path's attention (docs/design.md).
+        self.deterministic = deterministic and self.fast is not None
+        if deterministic and not self.fast:
+            log.warning("deterministic: not available on the generic path (%s); a row's "
+                        "numbers may depend on its batch", why_not)
+        if self.deterministic:
+            make_row_invariant(model)
+            backend = backend or InvariantSdpaBackend()
         # The generic path builds DynamicCaches from the pool's [layers, 2, heads, tokens, dim].
         self.backend = (backend or select_backend(device, dtype)) if self.fast else SdpaBackend()
         if self.fast:
@@ -140,7 +149,7 @@ class ModelRunner:
         self.max_model_len: int = min(max_len, tokens)
         self.graphs: CudaGraphs | None = None
         graphs = (self.fast is not None and device.type == "cuda" and not enforce_eager
-                  and isinstance(self.backend, FlashAttnBackend))
+                  and isinstance(self.backend, FlashAttnBackend) and not self.deterministic)
         # With graphs, one scratch block past the pool's own is where padding rows go.
         kv = self.backend.allocate(layers, heads, tokens + block * graphs, dim, dtype, device)
         self.pool = KVPool(kv.narrow(self.backend.token_dim, 0, tokens), self.backend.token_dim,
@@ -150,9 +159,10 @@ class ModelRunner:
         self.stats = RunnerStats()
         # Called after every forward pass (e.g. to observe Prometheus histograms).
         self.on_forward: Callable[[ForwardStats], None] | None = None
-        log.info("model runner: %s path%s, attention %s, KV pool %.1f MiB = %d tokens "
-                 "(%d bytes each), max %d sequences, max_model_len %d",
+        log.info("model runner: %s path%s, %s numerics, attention %s, KV pool %.1f MiB = %d "
+                 "tokens (%d bytes each), max %d sequences, max_model_len %d",
                  "fast" if self.fast else "generic", "" if self.fast else f" ({why_not})",
+                 "row-invariant" if self.deterministic else "batch-dependent",
                  self.backend.name, self.pool.nbytes / 2**20, tokens, bytes_per_token,
                  max_num_seqs, self.max_model_len)
         if graphs:
@@ -162,7 +172,7 @@ class ModelRunner:
         else:
             log.info("model runner: eager, no captured graphs (%s)",
                      "--enforce-eager" if enforce_eager else
-                     "they need CUDA, the fast path and flash-attn")
+                     "they need CUDA, the fast path, flash-attn and --deterministic off")
 
     @property
     def num_cached_sequences(self) -> int:

@@ -95,6 +95,13 @@ def server_options(default_port: int):
     )
 
 
+ON_OFF = ("on", "off")
+DETERMINISTIC_HELP = ("on: row-invariant numerics, so that a sequence's logits do not depend "
+                      "on its batch, its number of query tokens or the replica (greedy output "
+                      "is then the target's own in bf16 too; docs/design.md, Invariant "
+                      "numerics); off: the fastest kernels for each shape.")
+
+
 def _size(ctx, param, value) -> int | None:
     try:
         from specdecode.model_loading import parse_size
@@ -116,6 +123,8 @@ model_options = option_group(
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
     opt("--enforce-eager", is_flag=True, default=False,
         help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
+    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(ON_OFF),
+        help=DETERMINISTIC_HELP),
 )
 
 
@@ -218,14 +227,15 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
 @server_options(50052)
 @telemetry_options
 def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
-                   kv_cache_memory, max_num_seqs, enforce_eager, trace_console, log_format,
-                   max_batch_seqs, max_speculative_tokens, max_batch_tokens, **server) -> None:
+                   kv_cache_memory, max_num_seqs, enforce_eager, deterministic, trace_console,
+                   log_format, max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                   **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
+                           enforce_eager, deterministic == "on")
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
     _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
                                         draft_confidence),
@@ -243,14 +253,14 @@ def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max
 @server_options(50053)
 @telemetry_options
 def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                 enforce_eager, trace_console, log_format, max_batch_seqs, max_speculative_tokens,
-                 max_batch_tokens, **server) -> None:
+                 enforce_eager, deterministic, trace_console, log_format, max_batch_seqs,
+                 max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
+                           enforce_eager, deterministic == "on")
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
     _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
                 trace_console, log_format)
@@ -382,18 +392,21 @@ stack_options = option_group(
         help=DRAFT_VOCAB_HELP),
     opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
         help=DRAFT_CONFIDENCE_HELP),
+    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(ON_OFF),
+        help=DETERMINISTIC_HELP),
     click.option("--port", default=DEFAULTS.port, type=int, show_default=True,
                  help="The orchestrator's port (0 = any free port)."),
 )
 
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
-           speculation, draft_vocab_size, draft_confidence, port) -> LocalStack:
+           speculation, draft_vocab_size, draft_confidence, deterministic, port) -> LocalStack:
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculation=speculation, draft_vocab_size=draft_vocab_size,
-                                  draft_confidence=draft_confidence, port=port))
+                                  draft_confidence=draft_confidence,
+                                  deterministic=deterministic, port=port))
 
 
 def _start(stack: LocalStack) -> None:

@@ -24,18 +24,21 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
                            enforce_eager: bool = False,
-                           draft_confidence: float = 0.0, tokenizer=None) -> SpecDecodeEngine:
+                           draft_confidence: float = 0.0, tokenizer=None,
+                           deterministic: bool = False) -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
     LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
     this modifies `draft` in place); draft_confidence: the draft stops after a token it
     was less sure of (proposer_svc.draft); tokenizer: the models' (transformers), for
-    structured output (the draft and the target each keep their grammar states)."""
+    structured output (the draft and the target each keep their grammar states);
+    deterministic: row-invariant numerics in both models (specdecode.invariant_ops)."""
     compiler = None if tokenizer is None else GrammarCompiler(tokenizer,
                                                               target.config.vocab_size)
     grammars = (lambda: None) if compiler is None else (lambda: Grammars(compiler))
-    target_runner = ModelRunner(target, device, enforce_eager=enforce_eager)
+    target_runner = ModelRunner(target, device, enforce_eager=enforce_eager,
+                                deterministic=deterministic)
     max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
     draft_costs = None
@@ -43,7 +46,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
         proposer = NgramProposer(max_len, n_min=ngram_min)
     else:
         prune_lm_head(draft, draft_dir, draft_vocab_size)
-        draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager)
+        draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager,
+                                   deterministic=deterministic)
         max_len = min(max_len, draft_runner.max_model_len)
         draft_costs = calibrate(draft_runner) if adaptive else None
         proposer = DraftModelProposer(ModelWorker(draft_runner, "draft", grammars()),

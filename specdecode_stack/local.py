@@ -88,6 +88,8 @@ class StackConfig:
     # 0 = the whole vocabulary) ...
     draft_vocab_size: int = 32768
     draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
+    # Row-invariant numerics in both services (docs/design.md, Invariant numerics): on | off
+    deterministic: str = "on"
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
     grace_seconds: float = 10.0
@@ -152,7 +154,8 @@ class LocalStack:
         from specdecode.models import has_tokenizer  # loads torch: the CLI's client path must not
         c = self.config
         model = c.target_model or "default"
-        model_args = ["--device", c.device, "--dtype", c.dtype]
+        model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",
+                      c.deterministic]
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]
         auth = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
         probe = c.tls if c.tls.enabled else None  # health checks present our certificate

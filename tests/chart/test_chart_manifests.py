@@ -28,10 +28,10 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
-    "proposer": {"--model", "--device", "--dtype", "--host", "--port", "--metrics-port", "--grace-seconds",
-                 "--max-message-mb"},
-    "scorer": {"--model", "--device", "--dtype", "--scoring", "--host", "--port", "--metrics-port",
-               "--grace-seconds", "--max-message-mb"},
+    "proposer": {"--model", "--device", "--dtype", "--deterministic", "--host", "--port", "--metrics-port",
+                 "--grace-seconds", "--max-message-mb"},
+    "scorer": {"--model", "--device", "--dtype", "--deterministic", "--scoring", "--host", "--port",
+               "--metrics-port", "--grace-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
@@ -158,11 +158,15 @@ def test_chart_flags_exist_in_the_real_cli():
 
 def test_values_reach_the_flags(helm):
     docs = helm.render(sets=["speculation.numSpeculativeTokens=7", "grpc.maxMessageMb=128", "scorer.port=6000",
-                             "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::"])
+                             "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::",
+                             "numerics.deterministic=false"])
     assert args_map(server(docs, "orchestrator"))["--num-speculative-tokens"] == "7"
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
     assert args_map(server(docs, "scorer"))["--scoring"] == "multi-query"
+    assert args_map(server(docs, "scorer"))["--deterministic"] == "off"
+    assert args_map(server(docs, "proposer"))["--deterministic"] == "off"
+    assert args_map(server(helm.render(), "scorer"))["--deterministic"] == "on"
     for component in COMPONENTS:
         flags = args_map(server(docs, component))
         assert flags["--max-message-mb"] == "128" and flags["--host"] == "::"
