@@ -265,6 +265,9 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
           "(a headless Service) is one replica per address.")
 @opt("--tokenizer", default="default",
      help="Tokenizer directory or .gguf ('default' = SmolLM2's, 'none' = token ids only).")
+@opt("--served-model-name", default=None,
+     help="The model's name in both APIs (/v1/models, responses, the `model` a request "
+          "names) and in the metrics' model_name label (default: the target model's).")
 @opt("--num-speculative-tokens", default=DEFAULTS.num_speculative_tokens,
      type=click.IntRange(0, MAX_K),
      help="Draft tokens per step (k): the most with --speculation adaptive.")
@@ -317,7 +320,8 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
 @admission_options
 @server_options(DEFAULTS.port)
 @telemetry_options
-def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, speculation,
+def serve_orchestrator(proposer, scorer, tokenizer, served_model_name, num_speculative_tokens,
+                       speculation,
                        connect_timeout,
                        default_max_tokens, trace_steps, proposer_timeout, scorer_timeout,
                        scorer_retry_timeout, health_interval, resolve_interval, http_port,
@@ -348,6 +352,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
         return run(OrchestratorConfig(
             server=_server(**server, max_receive_bytes=admission.max_request_bytes),
             proposer=proposer, scorer=scorer, tokenizer=tokenizer,
+            served_model_name=served_model_name,
             num_speculative_tokens=num_speculative_tokens, speculation=speculation,
             connect_timeout_s=connect_timeout, trace_every=trace_steps, http_port=http_port,
             sequence_deltas=sequence_deltas, overlap=overlap,
@@ -413,10 +418,13 @@ def _start(stack: LocalStack) -> None:
           "certificate it signed (the orchestrator presents --tls-cert).")
 @opt("--auth-token-file", default=None, type=click.Path(exists=True, dir_okay=False),
      help="Bearer tokens the public API accepts, one per line.")
-def up(http_port, tls_cert, tls_key, tls_ca, auth_token_file, **kw) -> None:
+@opt("--served-model-name", default=None,
+     help="The model's name in the orchestrator's APIs and metrics (default: the target's).")
+def up(http_port, tls_cert, tls_key, tls_ca, auth_token_file, served_model_name, **kw) -> None:
     """Start proposer, scorer and orchestrator on 127.0.0.1; Ctrl-C stops all three."""
     stack = _stack(**kw)
     stack.config.http_port = http_port
+    stack.config.served_model_name = served_model_name
     try:
         stack.config.tls = TlsFiles(tls_cert, tls_key, tls_ca)
     except ValueError as exc:

@@ -90,6 +90,7 @@ class StackConfig:
     draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
+    served_model_name: str | None = None  # the orchestrator's name for it (None = the target's)
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     log_file: str | None = None  # the servers' logs go here (appended) instead of stderr
@@ -181,6 +182,8 @@ class LocalStack:
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
                                "--speculation", c.speculation,
                                "--http-port", str(c.http_port),
+                               *(["--served-model-name", c.served_model_name]
+                                 if c.served_model_name else []),
                                *self._tls_args("orchestrator"), *auth, *c.orchestrator_args)
             wait_process_serving(self.address, timeout_s, orch, probe, c.log_file)
         except BaseException:

@@ -34,7 +34,8 @@ from specdecode.sequence import MAX_LOGPROBS
 class ServedModel:
     """What the public APIs serve (GetModelInfo, GET /v1/models)."""
 
-    model_name: str  # the target model's
+    model_name: str  # the name the APIs serve (--served-model-name, else the target's)
+    target_model_name: str  # the target model's own (its directory or file)
     draft_model_name: str  # or "ngram"
     vocab_size: int
     max_model_len: int
@@ -82,7 +83,7 @@ class Frontend:
         self.loaded = True
 
     @property
-    def model_name(self) -> str:  # the target model's (gen_ai.request.model)
+    def model_name(self) -> str:  # the served name (gen_ai.request.model)
         return self.info.model_name if self.info else ""
 
     def admit(self) -> Slot:
@@ -185,6 +186,10 @@ class _Progress:
             self.total = add_usage(self.total, delta.usage)
             if done:
                 metrics.E2E.observe(now - self.start, self.span.exemplar)
+                tokens = self.total.completion_tokens
+                if self.ttft is not None and tokens > 1:
+                    metrics.TPOT.observe((now - self.start - self.ttft) / (tokens - 1),
+                                         self.span.exemplar)
                 self.end(delta.finish_reason)
 
     def failed(self, error: BaseException) -> None:
