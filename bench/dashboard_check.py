@@ -11,8 +11,8 @@ $__rate_interval being the phase's length (it covers the phase and nothing befor
 
 1. requests with speculation off (num_speculative_tokens 0): the acceptance panels' ratios
    are 0/0 (NaN), and each must map NaN to its "no speculation" text;
-2. requests with speculation: every target of every panel must return at least one series,
-   every value finite, with the dashboard's variables as a user picks them (the target
+2. requests with speculation, and two the HTTP API refuses (400, 404): every target of every
+   panel must return at least one series, every value finite (the HTTP errors' above 0), with the dashboard's variables as a user picks them (the target
    model and the draft model each from their own variable query).
 
 Prints a table (panel, legend, series, values) and writes bench/results/dashboard_check.json;
@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "specdecode.json"
 RESULTS = ROOT / "bench" / "results" / "dashboard_check.json"
 NAMESPACE = "local"
+HTTP_ERRORS_PANEL = "HTTP 4xx / 5xx responses"  # must show the refused requests sent
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
@@ -148,6 +149,8 @@ def evaluate(prom: Prometheus, panels: list[dict], variables: dict[str, str], si
             mapped = nan_text(panel) if values and all(math.isnan(v) for v in values) else None
             shown = mapped or (", ".join(f"{v:.4g}" for v in values[:4]) if values else "No data")
             ok = mapped is not None if idle else finite
+            if panel["title"] == HTTP_ERRORS_PANEL and not idle:  # refused requests were sent
+                ok = finite and sum(values) > 0
             checks.append(Check(panel["title"], target.get("legendFormat", ""), target["expr"],
                                 len(result), values, shown, ok))
     return checks
@@ -178,16 +181,17 @@ def resolve_variables(prom: Prometheus, dashboard: dict) -> dict[str, str]:
 def stack_config(pair: str, workdir: Path):
     """The stack to scrape: tiny (a random Llama as both target and draft, saved twice so the
     two model names differ and every draft token is accepted) or SmolLM2 with n-gram drafts."""
-    from specdecode_stack.local import StackConfig
+    from specdecode_stack.local import StackConfig, free_port
     if pair == "smollm2":
-        return StackConfig(port=0), lambda text: text
+        return StackConfig(port=0, http_port=free_port()), lambda text: text
     sys.path.insert(0, str(ROOT / "bench"))
     from tiny_models import TinyModelSpec, build_tiny_model
     model = build_tiny_model(TinyModelSpec(seed=1))
     for name in ("target", "draft"):
         model.save_pretrained(workdir / name)
     return (StackConfig(target_model=str(workdir / "target"), draft_model=str(workdir / "draft"),
-                        tokenizer="none", device="cpu", port=0, speculation="fixed",
+                        tokenizer="none", device="cpu", port=0, http_port=free_port(),
+                        speculation="fixed",
                         num_speculative_tokens=3, draft_confidence=0.0),
             lambda text: [b % 256 for b in text.encode()][-32:])
 
@@ -200,6 +204,23 @@ def send(address: str, prompts: list, max_tokens: int, k: int | None) -> int:
         for p in prompts:
             drafted += client.generate(p, max_tokens=max_tokens, num_speculative_tokens=k).usage.draft_tokens
     return drafted
+
+
+def send_bad_http(http_port: int) -> list[int]:
+    """Requests the HTTP API refuses (a bad field, an unknown model): the statuses, for the
+    4xx panel."""
+    statuses = []
+    for path, body in (("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}),
+                       ("/v1/completions", {"model": "no-such-model", "prompt": [1, 2]})):
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}{path}", method="POST",
+                                         data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60)
+            statuses.append(200)
+        except urllib.error.HTTPError as e:
+            statuses.append(e.code)
+    return statuses
 
 
 def print_table(title: str, checks: list[Check]) -> None:
@@ -225,12 +246,16 @@ def main(pair: str, max_tokens: int) -> None:
                 prom.wait_scraped()
                 start = time.time()
                 assert send(stack.address, prompts[:1], max_tokens, 0) == 0
+                # A counter's series starts at its first increment, which rate() cannot see:
+                # refused requests now make the 4xx series the next phase's rate() counts.
+                assert send_bad_http(stack.config.http_port) == [400, 404]
                 prom.wait_scraped()
                 variables = resolve_variables(prom, dashboard)
                 acceptance = [p for p in panels if nan_text(p)]
                 idle = evaluate(prom, acceptance, variables, start, idle=True)
                 start = time.time()
                 drafted = send(stack.address, prompts, max_tokens, None)
+                assert send_bad_http(stack.config.http_port) == [400, 404]
                 prom.wait_scraped()
                 busy = evaluate(prom, panels, variables, start, idle=False)
             finally:

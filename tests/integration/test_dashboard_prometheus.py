@@ -23,6 +23,9 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus():
     targets = sum(len(p.get("targets", [])) for p in dashboard["panels"])
     assert len(result["speculating"]) == targets and result["drafted"] > 0
     assert all(c["ok"] and c["series"] >= 1 for c in result["speculating"])
+    # The refused HTTP requests (a 400 and a 404) are visible as such.
+    (errors,) = [c for c in result["speculating"] if c["panel"] == "HTTP 4xx / 5xx responses"]
+    assert errors["series"] == 2 and all(v > 0 for v in errors["values"])
     # The two model variables resolve separately: the tiny pair's target and draft directories.
     assert result["variables"]["model"] == "target" and result["variables"]["draft"] == "draft"
     idle = {(c["panel"], c["legend"]): c["shown"] for c in result["idle"]}
