@@ -55,6 +55,7 @@ from orchestrator.frontend.openai_protocol import (APIError, ChatCompletionReque
                                                    add_error_handlers, refuse_unsupported,
                                                    to_request)
 from orchestrator.frontend.request import Generation
+from orchestrator.frontend.semconv import CHAT, TEXT_COMPLETION, Operation
 from orchestrator.frontend.vllm_api import add_vllm_routes
 from specdecode.api import finish_reason
 from specdecode.api.usage import Usage, add_usage, openai_usage
@@ -165,8 +166,9 @@ class _OpenAIApi:
                                     "supported; use n for several samples)", param="prompt")
             prompt = prompt[0]
         gen = await self.frontend.prepare(to_request(
-            body, prompt, body.max_tokens, body.logprobs, request_id=request_id))
-        rid, created = f"cmpl-{gen.request_id}", int(time.time())
+            body, prompt, body.max_tokens, body.logprobs, request_id=request_id,
+            operation=Operation(TEXT_COMPLETION, "http", body.stream, "cmpl-")))
+        rid, created = gen.operation.response_id(gen.request_id), int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created,
                 "model": served.model_name}
         logprobs = (CompletionLogprobs(self.frontend.tokenizer, body.return_tokens_as_token_ids)
@@ -219,8 +221,9 @@ class _OpenAIApi:
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         gen = await self.frontend.prepare(to_request(
             body, text, body.max_completion_tokens or body.max_tokens, n_logprobs,
-            prompt_field="messages", add_special_tokens=False, request_id=request_id))
-        base = {"id": f"chatcmpl-{gen.request_id}", "created": int(time.time()),
+            prompt_field="messages", add_special_tokens=False, request_id=request_id,
+            operation=Operation(CHAT, "http", body.stream, "chatcmpl-")))
+        base = {"id": gen.operation.response_id(gen.request_id), "created": int(time.time()),
                 "model": served.model_name}
         token_text = TokenText(self.frontend.tokenizer, body.return_tokens_as_token_ids)
 

@@ -1,5 +1,5 @@
 """What a client or an operator of a vLLM server reaches for, against a real stack (SmolLM2-135M
-target, n-gram proposer, three processes on loopback) with `--served-model-name smol`: the
+target, n-gram proposer: tests/integration/conftest.py) with `--served-model-name smol`: the
 official `openai` client's models.retrieve, /tokenize -> /detokenize, /version, /ping,
 /metrics on the HTTP port (ours and vLLM's names), X-Request-Id, a malformed body answered
 in words, and the HTTP requests by route, method and status in Prometheus."""
@@ -16,20 +16,17 @@ import openai
 import pytest
 
 from specdecode.api.client import SpecDecodeClient
-from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.conftest import scrape_metrics
+from tests.integration.conftest import SERVED
 
-SERVED = "smol"
 TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 CHAT = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
-def stack():
-    config = StackConfig(device="cpu", port=0, http_port=free_port(), served_model_name=SERVED)
-    with LocalStack(config) as s:
-        yield s
+def stack(smol_stack):
+    return smol_stack
 
 
 @dataclass
