@@ -41,11 +41,16 @@ def wait_for(find, timeout_s: float = 120.0):
 
 
 def request_span(otlp: Receiver, request_id: str) -> tuple[Span, list[Span]]:
-    """The request span whose specdecode.request_id is `request_id`, and all spans."""
+    """The request span whose specdecode.request_id is `request_id`, and all spans, once its
+    trace's root has arrived too (the HTTP server span ends after the response, so it may be
+    exported in a later batch)."""
     def find():
         spans = spans_of(otlp)
         mine = [s for s in spans if s.attributes.get("specdecode.request_id") == request_id]
-        return (mine[0], spans) if mine else None
+        if not mine:
+            return None
+        chain = [mine[0], *ancestors(mine[0], spans)]
+        return (mine[0], spans) if not chain[-1].parent else None
     return wait_for(find)
 
 
