@@ -4,18 +4,22 @@ local stack, as Grafana would send it.
     python bench/dashboard_check.py                 # SmolLM2-135M target, n-gram proposer
     python bench/dashboard_check.py --pair tiny     # tiny random Llama pair: CI size, seconds
 
-Starts the stack (specdecode_stack.local.LocalStack) and Prometheus (scripts/install-prometheus.sh
-puts Debian's build in .cache/tools/bin) scraping the three metrics ports every second, with
-a `namespace` label as a Kubernetes scrape would add. Then two phases, each query's
-$__rate_interval being the phase's length (it covers the phase and nothing before it):
+Starts the stack as a user does, `specdecode up --metrics-port P`, and finds each server's
+address and metrics port (P, P+1, P+2) in the start lines it prints; then Prometheus
+(scripts/install-prometheus.sh puts Debian's build in .cache/tools/bin) scraping those three
+ports every second, with a `namespace` label as a Kubernetes scrape would add. Then two
+phases, each query's $__rate_interval being the phase's length (it covers the phase and
+nothing before it):
 
 1. requests with speculation off (num_speculative_tokens 0): the acceptance panels' ratios
    are 0/0 (NaN), and each must map NaN to its "no speculation" text;
-2. requests with speculation: every target of every panel must return at least one series,
-   every value finite, with the dashboard's variables as a user picks them (the target
-   model and the draft model each from their own variable query).
+2. requests with speculation, and two the HTTP API refuses (400, 404): every target of every
+   panel must return at least one series, every value finite (the HTTP errors' above 0),
+   with the dashboard's variables as a user picks them (the target model and the draft
+   model each from their own variable query).
 
-Prints a table (panel, legend, series, values) and writes bench/results/dashboard_check.json;
+Prints a table (panel, legend, series, values) and `up`'s console, and writes
+bench/results/dashboard_check.json;
 exits 1 when a panel shows no data or NaN.
 """
 
@@ -26,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "specdecode.json"
 RESULTS = ROOT / "bench" / "results" / "dashboard_check.json"
 NAMESPACE = "local"
+HTTP_ERRORS_PANEL = "HTTP 4xx / 5xx responses"  # must show the refused requests sent
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + ",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
            "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
@@ -148,6 +154,8 @@ def evaluate(prom: Prometheus, panels: list[dict], variables: dict[str, str], si
             mapped = nan_text(panel) if values and all(math.isnan(v) for v in values) else None
             shown = mapped or (", ".join(f"{v:.4g}" for v in values[:4]) if values else "No data")
             ok = mapped is not None if idle else finite
+            if panel["title"] == HTTP_ERRORS_PANEL and not idle:  # refused requests were sent
+                ok = finite and sum(values) > 0
             checks.append(Check(panel["title"], target.get("legendFormat", ""), target["expr"],
                                 len(result), values, shown, ok))
     return checks
@@ -175,21 +183,75 @@ def resolve_variables(prom: Prometheus, dashboard: dict) -> dict[str, str]:
     return variables
 
 
-def stack_config(pair: str, workdir: Path):
-    """The stack to scrape: tiny (a random Llama as both target and draft, saved twice so the
-    two model names differ and every draft token is accepted) or SmolLM2 with n-gram drafts."""
-    from specdecode_stack.local import StackConfig
+def up_args(pair: str, workdir: Path) -> tuple[list[str], object]:
+    """`specdecode up`'s model options for the pair, and the prompt encoder: tiny (a random
+    Llama as both target and draft, saved twice so the two model names differ and every
+    draft token is accepted; token ids, no tokenizer) or SmolLM2 with n-gram drafts."""
     if pair == "smollm2":
-        return StackConfig(port=0), lambda text: text
+        return [], lambda text: text
     sys.path.insert(0, str(ROOT / "bench"))
     from tiny_models import TinyModelSpec, build_tiny_model
     model = build_tiny_model(TinyModelSpec(seed=1))
     for name in ("target", "draft"):
         model.save_pretrained(workdir / name)
-    return (StackConfig(target_model=str(workdir / "target"), draft_model=str(workdir / "draft"),
-                        tokenizer="none", device="cpu", port=0, speculation="fixed",
-                        num_speculative_tokens=3, draft_confidence=0.0),
+    return (["--target-model", str(workdir / "target"), "--draft-model", str(workdir / "draft"),
+             "--device", "cpu", "--speculation", "fixed", "--num-speculative-tokens", "3",
+             "--draft-confidence", "0"],
             lambda text: [b % 256 for b in text.encode()][-32:])
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive ports free on 127.0.0.1 now."""
+    import socket
+    from specdecode_stack.local import free_port
+    while True:
+        first = free_port()
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
+START_LINE = re.compile(r"^(scorer|proposer|orchestrator)\s+(\S+)\s+metrics "
+                        r"http://[^/]+:(\d+)/metrics\s+(.*)$")
+
+
+class Up:
+    """`specdecode up --metrics-port P` as a user runs it, its servers found from the start
+    lines it prints: `address` (the orchestrator's), `metrics_ports` (role -> port),
+    `http_port`; `stdout` and (after stop) `stderr` are its console."""
+
+    def __init__(self, args: list[str]):
+        from specdecode_stack.local import free_port
+        self.first_metrics_port = free_port_run(3)
+        self.http_port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "specdecode_stack.cli", "up", "--port", "0",
+             "--http-port", str(self.http_port), "--metrics-port", str(self.first_metrics_port),
+             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout: list[str] = []
+        self.stderr = ""
+        self.metrics_ports: dict[str, int] = {}
+        for line in self.process.stdout:  # until it serves, or exits
+            self.stdout.append(line.rstrip("\n"))
+            m = START_LINE.match(line)
+            if m:
+                self.metrics_ports[m[1]] = int(m[3])
+                if m[1] == "orchestrator":
+                    self.address = m[2]
+            if line.startswith("specdecode is serving"):
+                return
+        self.stop()
+        raise click.ClickException(f"specdecode up did not start: {self.stderr[-3000:]}")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)  # Ctrl-C
+        out, self.stderr = self.process.communicate(timeout=120)
+        self.stdout += out.splitlines()
+        return self.process.returncode
 
 
 def send(address: str, prompts: list, max_tokens: int, k: int | None) -> int:
@@ -200,6 +262,23 @@ def send(address: str, prompts: list, max_tokens: int, k: int | None) -> int:
         for p in prompts:
             drafted += client.generate(p, max_tokens=max_tokens, num_speculative_tokens=k).usage.draft_tokens
     return drafted
+
+
+def send_bad_http(http_port: int) -> list[int]:
+    """Requests the HTTP API refuses (a bad field, an unknown model): the statuses, for the
+    4xx panel."""
+    statuses = []
+    for path, body in (("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}),
+                       ("/v1/completions", {"model": "no-such-model", "prompt": [1, 2]})):
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}{path}", method="POST",
+                                         data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60)
+            statuses.append(200)
+        except urllib.error.HTTPError as e:
+            statuses.append(e.code)
+    return statuses
 
 
 def print_table(title: str, checks: list[Check]) -> None:
@@ -213,33 +292,43 @@ def print_table(title: str, checks: list[Check]) -> None:
 @click.option("--pair", type=click.Choice(["smollm2", "tiny"]), default="smollm2", show_default=True)
 @click.option("--max-tokens", default=24, show_default=True)
 def main(pair: str, max_tokens: int) -> None:
-    from specdecode_stack.local import LocalStack
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p.get("targets")]
     with tempfile.TemporaryDirectory() as tmp:
-        config, encode = stack_config(pair, Path(tmp))
+        args, encode = up_args(pair, Path(tmp))
         prompts = [encode(p) for p in PROMPTS]
-        with LocalStack(config) as stack:
-            prom = Prometheus(stack.metrics_ports, Path(tmp))
-            try:
-                prom.wait_scraped()
-                start = time.time()
-                assert send(stack.address, prompts[:1], max_tokens, 0) == 0
-                prom.wait_scraped()
-                variables = resolve_variables(prom, dashboard)
-                acceptance = [p for p in panels if nan_text(p)]
-                idle = evaluate(prom, acceptance, variables, start, idle=True)
-                start = time.time()
-                drafted = send(stack.address, prompts, max_tokens, None)
-                prom.wait_scraped()
-                busy = evaluate(prom, panels, variables, start, idle=False)
-            finally:
-                prom.stop()
+        up = Up(args)
+        prom = Prometheus(up.metrics_ports, Path(tmp))
+        try:
+            prom.wait_scraped()
+            start = time.time()
+            assert send(up.address, prompts[:1], max_tokens, 0) == 0
+            # A counter's series starts at its first increment, which rate() cannot see:
+            # refused requests now make the 4xx series the next phase's rate() counts.
+            assert send_bad_http(up.http_port) == [400, 404]
+            prom.wait_scraped()
+            variables = resolve_variables(prom, dashboard)
+            acceptance = [p for p in panels if nan_text(p)]
+            idle = evaluate(prom, acceptance, variables, start, idle=True)
+            start = time.time()
+            drafted = send(up.address, prompts, max_tokens, None)
+            assert send_bad_http(up.http_port) == [400, 404]
+            prom.wait_scraped()
+            busy = evaluate(prom, panels, variables, start, idle=False)
+        finally:
+            prom.stop()
+            code = up.stop()
+    print("\n== specdecode up's console (stdout, then stderr)")
+    print("\n".join(up.stdout) + "\n" + up.stderr)
     print_table("speculation off (nothing drafted): acceptance panels", idle)
     print_table(f"speculating ({drafted} tokens drafted); variables {variables}", busy)
     failed = [c for c in idle + busy if not c.ok]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"pair": pair, "variables": variables, "drafted": drafted,
+    RESULTS.write_text(json.dumps({"pair": pair, "up": {"stdout": up.stdout, "stderr": up.stderr,
+                                                        "metrics_ports": up.metrics_ports,
+                                                        "first_metrics_port": up.first_metrics_port,
+                                                        "exit_code": code},
+                                   "variables": variables, "drafted": drafted,
                                    "idle": [asdict(c) for c in idle], "speculating": [asdict(c) for c in busy]},
                                   indent=1))
     print(f"\n{len(idle) + len(busy) - len(failed)}/{len(idle) + len(busy)} checks pass; wrote {RESULTS}")

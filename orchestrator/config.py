@@ -63,6 +63,8 @@ class OrchestratorConfig:
     proposer: str = "127.0.0.1:50052"  # replicas: HOST:PORT[,...] or a name resolving to many
     scorer: str = "127.0.0.1:50053"
     tokenizer: str | None = "default"  # a directory or .gguf, "default" (SmolLM2's), "none"
+    # The model's name in both APIs and the metrics' model_name (None = the target's own).
+    served_model_name: str | None = None
     num_speculative_tokens: int = 8  # k: what every sequence may speculate at most
     speculation: str = "adaptive"  # adaptive (k per sequence and step) or fixed (always k)
     connect_timeout_s: float = 60.0  # to reach both services at start

@@ -60,7 +60,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     loop.start()
     log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
              p_info.model_name, s_info.model_name)
-    info = ServedModel(model_name=s_info.model_name, draft_model_name=p_info.model_name,
+    info = ServedModel(model_name=config.served_model_name or s_info.model_name,
+                       target_model_name=s_info.model_name, draft_model_name=p_info.model_name,
                        vocab_size=s_info.vocab_size, max_model_len=engine.max_model_len,
                        num_speculative_tokens=k, scoring_method=s_info.scoring_method,
                        has_tokenizer=tok is not None)

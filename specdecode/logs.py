@@ -86,11 +86,11 @@ def configure_logging(service: str, fmt: str = "json", level: int = logging.INFO
     """Replace the root logger's handlers with one stderr handler in `fmt` (json | text).
 
     Progress bars (model conversion and loading, drawn by transformers and huggingface_hub
-    on stderr) are turned off in JSON mode, where they would break the stream of JSON lines;
-    in text mode they stay on stderr."""
+    on stderr) are turned off in JSON mode, where they would break the stream of JSON lines,
+    and above INFO (a quiet console); in text mode at INFO they stay on stderr."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format: must be json or text, got {fmt!r}")
-    if fmt == "json":
+    if fmt == "json" or level > logging.INFO:
         progress_bars_off()
     handler = logging.StreamHandler()
     handler.addFilter(TraceContextFilter())

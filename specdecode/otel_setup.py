@@ -1,6 +1,8 @@
-"""OpenTelemetry SDK set-up for entry points only: the tracer provider and the
-Prometheus->OTLP metrics bridge, from the standard `OTEL_*` environment variables. The SDK
-and exporters are imported inside these functions and nowhere else.
+"""OpenTelemetry SDK set-up for entry points only, from the standard `OTEL_*` environment
+variables: the tracer provider; for OTLP metrics, the Prometheus->OTLP bridge (the metrics
+/metrics serves) and a MeterProvider for the instruments made through the OpenTelemetry
+metrics API (the GenAI conventions' gen_ai.server.* histograms). The SDK and exporters are
+imported inside these functions and nowhere else.
 """
 
 from __future__ import annotations
@@ -142,12 +144,26 @@ def build_tracer_provider(role: str, env: Mapping[str, str], console: bool = Fal
     return provider
 
 
+def build_meter_provider(role: str, env: Mapping[str, str]):
+    """An SDK MeterProvider exporting to OTLP every OTEL_METRIC_EXPORT_INTERVAL ms (and at
+    shutdown)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    reader = PeriodicExportingMetricReader(
+        _otlp_exporter(env, "METRICS"),
+        export_interval_millis=float(env.get("OTEL_METRIC_EXPORT_INTERVAL", 60000)))
+    return MeterProvider(metric_readers=[reader], resource=build_resource(role, env),
+                         shutdown_on_exit=False)
+
+
 class Telemetry:
     """What `configure` set up; `shutdown` flushes and stops it (call it on exit)."""
 
-    def __init__(self, tracer_provider=None, metrics_bridge: PrometheusOtlpBridge | None = None):
+    def __init__(self, tracer_provider=None, metrics_bridge: PrometheusOtlpBridge | None = None,
+                 meter_provider=None):
         self.tracer_provider = tracer_provider
         self.metrics_bridge = metrics_bridge
+        self.meter_provider = meter_provider
 
     @property
     def tracing(self) -> bool:
@@ -157,6 +173,9 @@ class Telemetry:
         if self.metrics_bridge is not None:
             self.metrics_bridge.shutdown()
             self.metrics_bridge = None
+        if self.meter_provider is not None:
+            self.meter_provider.shutdown()  # a last export
+            self.meter_provider = None
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()  # flushes the batch processor
             self.tracer_provider = None
@@ -169,17 +188,21 @@ def configure(role: str, *, console: bool = False, env: Mapping[str, str] | None
     ValueError on a configuration this build cannot honour."""
     env = os.environ if env is None else env
     provider = build_tracer_provider(role, env, console)
-    bridge = None
+    bridge = meters = None
     if metrics_exporter_enabled(env):
         bridge = PrometheusOtlpBridge(_otlp_exporter(env, "METRICS"), build_resource(role, env),
                                       interval_s=float(env.get("OTEL_METRIC_EXPORT_INTERVAL",
                                                                60000)) / 1000)
+        meters = build_meter_provider(role, env)
     if set_global:
         if provider is not None:
             trace.set_tracer_provider(provider)
         if bridge is not None:
             bridge.start()
-    return Telemetry(provider, bridge)
+        if meters is not None:
+            from opentelemetry import metrics
+            metrics.set_meter_provider(meters)
+    return Telemetry(provider, bridge, meters)
 
 
 # -- Prometheus -> OTLP metrics --------------------------------------------------------------

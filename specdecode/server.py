@@ -412,9 +412,11 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
-        log.info("listening on %s:%d (%s)", self.options.host, self.port,
+        metrics = (f", metrics on http://{self.options.metrics_host or self.options.host}:"
+                   f"{self.options.metrics_port}/metrics" if self.options.metrics_port else "")
+        log.info("listening on %s:%d (%s)%s", self.options.host, self.port,
                  "mutual TLS" if self.options.tls.ca and self.options.tls.enabled
-                 else "TLS" if self.options.tls.enabled else "plaintext")
+                 else "TLS" if self.options.tls.enabled else "plaintext", metrics)
 
     async def set_serving(self, serving: bool = True) -> None:
         """SERVING or NOT_SERVING (e.g. while a server it depends on is down); once

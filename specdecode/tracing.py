@@ -139,6 +139,10 @@ class RequestSpan:
                          if sc.is_valid and sc.trace_flags.sampled else None)
         self._ended = False
 
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
     def end(self, attributes: Mapping[str, Any] | None = None,
             error: BaseException | None = None) -> None:
         if self._ended:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -90,8 +91,16 @@ class StackConfig:
     draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
     # Row-invariant numerics in both services (docs/design.md, Invariant numerics): on | off
     deterministic: str = "on"
+    host: str = "127.0.0.1"  # what the three bind (0.0.0.0 = every interface)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
+    served_model_name: str | None = None  # the orchestrator's name for it (None = the target's)
+    # /metrics of the orchestrator on this port, the proposer's on the next, the scorer's on
+    # the one after; 0 = free ports
+    metrics_port: int = 0
+    max_model_len: int | None = None  # the services' cap (None = the models' own)
+    log_format: str | None = None  # the servers' --log-format and --log-level (None = theirs)
+    log_level: str | None = None
     grace_seconds: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     log_file: str | None = None  # the servers' logs go here (appended) instead of stderr
@@ -109,20 +118,26 @@ class StackConfig:
 class LocalStack:
     """Starts the three servers as child processes; `stop` sends SIGTERM and waits."""
 
+    ROLES = ("orchestrator", "proposer", "scorer")  # the order of their metrics ports
+
     def __init__(self, config: StackConfig):
         self.config = config
         self.processes: dict[str, subprocess.Popen] = {}
-        self.address = f"127.0.0.1:{config.port or free_port()}"
-        self.service_addresses = {"proposer": f"127.0.0.1:{free_port()}",
-                                  "scorer": f"127.0.0.1:{free_port()}",
+        # Where clients reach the servers: their host, or loopback for a wildcard.
+        self.connect_host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        self.address = f"{self.connect_host}:{config.port or free_port()}"
+        self.service_addresses = {"proposer": f"{self.connect_host}:{free_port()}",
+                                  "scorer": f"{self.connect_host}:{free_port()}",
                                   "orchestrator": self.address}
-        self.metrics_ports = {role: free_port() for role in self.service_addresses}
+        self.metrics_ports = {role: (config.metrics_port + i if config.metrics_port
+                                     else free_port()) for i, role in enumerate(self.ROLES)}
         self._args: dict[str, tuple[str, ...]] = {}  # each server's arguments, for restart
 
     def _spawn(self, role: str, *args: str) -> subprocess.Popen:
         # Ports are picked as late as possible: a free port can be taken by anyone's
         # connection meanwhile, and a server refuses a taken port (no SO_REUSEPORT).
-        self.metrics_ports[role] = free_port()
+        if not self.config.metrics_port:
+            self.metrics_ports[role] = free_port()
         env = {**os.environ, "OTEL_SERVICE_NAME": f"specdecode-{role}",
                **self.config.extra_env}
         env.update(openmp_env(role, env))
@@ -130,9 +145,9 @@ class LocalStack:
         if role in self.config.pin:
             env["OMP_NUM_THREADS"] = "1"
         pin = ["taskset", "-c", self.config.pin[role]] if role in self.config.pin else []
-        cmd = [*pin, sys.executable, "-m", "specdecode_stack.cli", "serve", role, "--host", "127.0.0.1",
-               "--grace-seconds", str(self.config.grace_seconds),
-               "--metrics-port", str(self.metrics_ports[role]), *args]
+        cmd = [*pin, sys.executable, "-m", "specdecode_stack.cli", "serve", role,
+               "--host", self.config.host, "--grace-seconds", str(self.config.grace_seconds),
+               "--metrics-port", str(self.metrics_ports[role]), *self._log_args(), *args]
         if self.config.log_file is None:
             self.processes[role] = subprocess.Popen(cmd, env=env)
         else:
@@ -140,6 +155,11 @@ class LocalStack:
                 self.processes[role] = subprocess.Popen(cmd, env=env, stdout=log,
                                                         stderr=subprocess.STDOUT)
         return self.processes[role]
+
+    def _log_args(self) -> list[str]:
+        c = self.config
+        return [*(["--log-format", c.log_format] if c.log_format else []),
+                *(["--log-level", c.log_level] if c.log_level else [])]
 
     def _tls_args(self, role: str) -> list[str]:
         tls = self.config.tls
@@ -150,12 +170,17 @@ class LocalStack:
             args += ["--service-tls-ca", tls.ca] if role == "orchestrator" else ["--tls-ca", tls.ca]
         return args
 
-    def start(self, timeout_s: float = 300.0) -> str:
+    def start(self, timeout_s: float = 300.0,
+              on_serving: Callable[[str], None] | None = None) -> str:
+        """Start the scorer, the proposer, then the orchestrator, each once the one before
+        serves; `on_serving(role)` as each does. The orchestrator's address."""
         from specdecode.models import has_tokenizer  # loads torch: the CLI's client path must not
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",
-                      c.deterministic]
+                      c.deterministic,
+                      *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])]
+        serving = on_serving or (lambda role: None)
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]
         auth = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
         probe = c.tls if c.tls.enabled else None  # health checks present our certificate
@@ -168,15 +193,17 @@ class LocalStack:
                                  "--scoring", c.scoring, *model_args, *self._tls_args("scorer"),
                                  *c.service_args)
             wait_process_serving(s_addr, timeout_s, scorer, probe, c.log_file)
+            serving("scorer")
             proposer = self._spawn("proposer", "--port", p_addr.rsplit(":", 1)[1],
                                    "--model", c.draft_model, "--draft-vocab-size",
                                    str(c.draft_vocab_size), "--draft-confidence",
                                    str(c.draft_confidence), *model_args,
                                    *self._tls_args("proposer"), *c.service_args)
             wait_process_serving(p_addr, timeout_s, proposer, probe, c.log_file)
+            serving("proposer")
             if not c.port:
                 self.address = self.service_addresses["orchestrator"] = \
-                    f"127.0.0.1:{free_port()}"
+                    f"{self.connect_host}:{free_port()}"
             orch = self._spawn("orchestrator", "--port", self.address.rsplit(":", 1)[1],
                                "--proposer", p_addr, "--scorer", s_addr,
                                "--tokenizer", c.tokenizer or (model if has_tokenizer(c.target_model)
@@ -184,8 +211,11 @@ class LocalStack:
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
                                "--speculation", c.speculation,
                                "--http-port", str(c.http_port),
+                               *(["--served-model-name", c.served_model_name]
+                                 if c.served_model_name else []),
                                *self._tls_args("orchestrator"), *auth, *c.orchestrator_args)
             wait_process_serving(self.address, timeout_s, orch, probe, c.log_file)
+            serving("orchestrator")
         except BaseException:
             self.stop()
             raise

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import click
+
 from specdecode_stack.cli import main
 from specdecode_stack.local import StackConfig, free_port, wait_process_serving
 
@@ -52,6 +54,39 @@ def test_a_metrics_port_in_use_is_a_one_line_error():
     assert "--metrics-port" in line and str(port) in line
 
 
+def test_a_taken_http_port_is_the_same_one_line_error_as_a_taken_port():
+    """A second orchestrator on a host whose HTTP port is taken (8000, say) stops at once
+    with one line naming --http-port, before it looks for its services."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([*CLI, "serve", "orchestrator", "--port", "0", "--http-port",
+                              str(port), "--log-format", "text"], capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "Errno" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"error: --http-port 127.0.0.1:{port} is not available: Address already in use"]
+
+
+def test_help_lists_every_option_in_a_named_section():
+    """`up`, `demo` and each `serve` list their options in sections (click's own help
+    formatter); only --help is left for "Other options"."""
+    serve = main.commands["serve"].commands
+    for command in (main.commands["up"], main.commands["demo"], *serve.values()):
+        text = command.get_help(click.Context(command, info_name=command.name))
+        sections = re.findall(r"^(\w[\w ]*):\n((?:  .*\n|\n(?=  ))*)", text + "\n", re.M)
+        titles = [title for title, _ in sections if title != "Usage"]
+        assert len(titles) >= 4 and titles[-1] == "Other options", (command.name, titles)
+        assert re.findall(r"^  (-\S+)", dict(sections)["Other options"], re.M) == ["--help"]
+        listed = {o for _, body in sections for o in re.findall(r"^  (--[\w-]+)", body, re.M)}
+        options = {o.split("/")[0] for p in command.params for o in p.opts if o.startswith("--")}
+        assert options == listed - {"--help"}, (command.name, options ^ listed)
+    orchestrator = serve["orchestrator"].get_help(click.Context(serve["orchestrator"]))
+    assert re.search(r"^HTTP API:\n  --http-port", orchestrator, re.M)
+
+
 def serve_tiny_proposer(model_dir: str, log_format: str) -> tuple[str, str]:
     """Start `serve proposer` on a tiny model until it serves, stop it: (stdout, stderr)."""
     port = free_port()
@@ -83,8 +118,9 @@ def test_progress_bars_stay_out_of_json_logs_and_on_stderr_in_text_logs(tiny_mod
 # Defaults that differ on purpose: a server alone drains for 20 s (a pod's termination grace),
 # the local stack's for 10 s; `up` and `serve orchestrator` serve the HTTP API on 8000, the
 # programmatic stack (tests, benchmarks) leaves it off; the stack derives the orchestrator's
-# --tokenizer from its target model.
-OWN_DEFAULTS = {"grace_seconds", "http_port", "tokenizer"}
+# --tokenizer from its target model; `up` logs warnings as text, a server alone info as JSON
+# (the programmatic stack leaves both to the servers).
+OWN_DEFAULTS = {"grace_seconds", "http_port", "tokenizer", "log_format", "log_level"}
 
 
 def test_cli_defaults_are_the_stack_config_defaults():

@@ -11,16 +11,14 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate, build_request
@@ -30,75 +28,13 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 from specdecode_stack.local import LocalStack, StackConfig, free_port, wait_process_serving
 from tests.conftest import scrape_metrics
+from tests.otlp import Receiver, Span, attrs, spans_of
 
 PROMPT = [5, 17, 99, 3]
 MAX_TOKENS = 24
 K = 3
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
-
-
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer,
-               metrics_service_pb2_grpc.MetricsServiceServicer):
-    """An OTLP/gRPC collector that keeps what it is sent."""
-
-    def __init__(self):
-        self.traces: list = []
-        self.metrics: list = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def Export(self, request, context):
-        if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
-            self.traces.append(request)
-            return trace_service_pb2.ExportTraceServiceResponse()
-        self.metrics.append(request)
-        return metrics_service_pb2.ExportMetricsServiceResponse()
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "100",
-                "OTEL_METRIC_EXPORT_INTERVAL": "1000"}
-
-
-def value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
-def attrs(pb) -> dict:
-    return {a.key: value(a.value) for a in pb.attributes}
-
-
-@dataclass
-class Span:
-    service: str
-    name: str
-    kind: int
-    trace_id: str
-    span_id: str
-    parent: str
-    attributes: dict
-    status: int
-    links: list = field(default_factory=list)
-
-
-def spans_of(receiver: Receiver) -> list[Span]:
-    out = []
-    for request in receiver.traces:
-        for rs in request.resource_spans:
-            service = attrs(rs.resource)["service.name"]
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    out.append(Span(service, s.name, s.kind, s.trace_id.hex(), s.span_id.hex(),
-                                    s.parent_span_id.hex(), attrs(s), s.status.code,
-                                    [link.span_id.hex() for link in s.links]))
-    return out
+REQUEST_SPAN = "text_completion target"  # GenAI: {operation} {model}; gRPC Generate
 
 
 def model_names(port: int) -> set[str]:
@@ -145,14 +81,39 @@ def generate(client: SpecDecodeClient, traceparent: str | None = None, **params)
     return result
 
 
+# The GenAI conventions' advisory bucket boundaries (semantic-conventions, gen-ai-metrics).
+BOUNDS = {
+    "gen_ai.server.request.duration": [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                                       5.12, 10.24, 20.48, 40.96, 81.92],
+    "gen_ai.server.time_to_first_token": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
+                                          0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0],
+    "gen_ai.server.time_per_output_token": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                                            0.5, 0.75, 1.0, 2.5],
+}
+
+
+def genai_histograms(otlp_metrics: list) -> dict[str, list]:
+    """The gen_ai.server.* histograms' points in the orchestrator's last export that has them."""
+    last = {}
+    for request in otlp_metrics:
+        for rm in request.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name.startswith("gen_ai."):
+                        last[metric.name] = list(metric.histogram.data_points)
+    return last
+
+
 def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | None = None,
-             unsampled_too: bool = False, **env) -> Run:
+             unsampled_too: bool = False, refuse_http: bool = False, **env) -> Run:
     """Start the stack exporting to a fresh receiver, run one Generate (and, with
-    `unsampled_too`, a second one whose caller does not sample it), scrape, stop."""
+    `unsampled_too`, a second one whose caller does not sample it; with `refuse_http`, one
+    HTTP request the API refuses), scrape, stop."""
     receiver = Receiver()
     stack = LocalStack(StackConfig(
         target_model=model_dirs["target"], draft_model=model_dirs["draft"], tokenizer="none",
         device="cpu", scoring=scoring, num_speculative_tokens=K, speculation="fixed", port=0,
+        http_port=free_port(),
         draft_confidence=0.0,  # every proposal K long: the counts below follow from it
         extra_env={**receiver.env, **env}))
     try:
@@ -166,6 +127,10 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
                 with pytest.raises(grpc.RpcError) as err:  # bad input, counted by its code
                     generate(client, untraced, max_tokens=-1)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        if refuse_http:  # the HTTP requests' metrics get a sample
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"http://127.0.0.1:{stack.config.http_port}/v1/models/x")
+            assert refused.value.code == 404
         metrics = {role: scrape_metrics(port) for role, port in stack.metrics_ports.items()}
         names = {role: model_names(port) for role, port in stack.metrics_ports.items()}
     finally:
@@ -176,7 +141,7 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
 
 @pytest.fixture(scope="module")
 def run(model_dirs) -> Run:
-    return run_once(model_dirs)
+    return run_once(model_dirs, refuse_http=True)
 
 
 # -- traces ---------------------------------------------------------------------------------
@@ -188,8 +153,11 @@ def test_stack_exits_cleanly_and_flushes(run):
 
 
 def test_one_generate_is_one_trace(run):
-    assert {s.trace_id for s in run.spans} == {run.named("spec_decode.request")[0].trace_id}
-    assert len(run.named("spec_decode.request")) == 1
+    # The refused HTTP request is a trace of its own (FastAPI's server span, no request span).
+    (http,) = run.named("GET /v1/models/{model_id}")
+    assert {s.trace_id for s in run.spans} - {http.trace_id} == \
+        {run.named(REQUEST_SPAN)[0].trace_id}
+    assert len(run.named(REQUEST_SPAN)) == 1
 
 
 def test_service_names_differ(run):
@@ -225,7 +193,7 @@ def test_client_spans_parent_the_services_server_spans(run, service, method, rol
 
 def test_span_tree(run):
     ids = {s.span_id: s for s in run.spans}
-    (request,) = run.named("spec_decode.request")
+    (request,) = run.named(REQUEST_SPAN)
     (generate,) = run.named("specdecode.v1.SpecDecodeService/Generate")
     assert generate.kind == SERVER and generate.parent == ""  # the trace's root
     assert request.parent == generate.span_id
@@ -276,7 +244,7 @@ def test_step_attributes_add_up_to_the_usage(run):
 
 
 def test_request_span_attributes(run):
-    (request,) = run.named("spec_decode.request")
+    (request,) = run.named(REQUEST_SPAN)
     usage, a = run.result.usage, request.attributes
     assert a["specdecode.request_id"] == "obs-1"
     assert a["specdecode.prompt_tokens"] == usage.prompt_tokens == len(PROMPT)
@@ -287,17 +255,25 @@ def test_request_span_attributes(run):
     assert a["specdecode.finish_reason"] == "length"
     assert a["specdecode.steps"] == usage.steps
     # OpenTelemetry GenAI semantic conventions, exported to the OTLP receiver.
-    assert a["gen_ai.operation.name"] == "text_completion"
-    assert a["gen_ai.request.model"] == "target"  # the scorer's model directory
+    assert a["gen_ai.operation.name"] == "text_completion"  # gRPC Generate
+    assert a["gen_ai.provider.name"] == "specdecode"
+    assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == "target"  # its directory
+    assert a["gen_ai.response.id"] == "obs-1" and a["gen_ai.request.stream"] is True
+    assert a["gen_ai.output.type"] == "text"
     assert a["gen_ai.request.max_tokens"] == MAX_TOKENS
     assert a["gen_ai.request.temperature"] == 0.0 and a["gen_ai.request.top_p"] == 1.0
-    assert "gen_ai.request.seed" not in a and "gen_ai.request.top_k" not in a  # not asked
+    assert not {"gen_ai.request.seed", "gen_ai.request.top_k", "gen_ai.request.choice.count",
+                "gen_ai.request.stop_sequences", "error.type"} & set(a)  # not asked, no error
     assert a["gen_ai.usage.input_tokens"] == len(PROMPT)
     assert a["gen_ai.usage.output_tokens"] == usage.completion_tokens
     assert a["gen_ai.response.finish_reasons"] == ["length"]
-    assert 0 < a["gen_ai.server.time_to_first_token"] < 120
-    assert 0 < a["gen_ai.server.time_per_output_token"] < a["gen_ai.server.time_to_first_token"] * 10
-    assert all(s.status != trace_pb2.Status.STATUS_CODE_ERROR for s in run.spans)
+    # The conventions' time metrics are histograms (test_metrics_also_go_over_otlp), not
+    # span attributes; the span keeps its time to first token as our own attribute.
+    assert not [k for k in a if k.startswith("gen_ai.server.")]
+    assert 0 < a["specdecode.time_to_first_token_s"] < 120
+    (http,) = run.named("GET /v1/models/{model_id}")  # FastAPI's: its 404 is an error
+    assert all(s.status != trace_pb2.Status.STATUS_CODE_ERROR for s in run.spans
+               if s.trace_id != http.trace_id)
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -371,8 +347,10 @@ def test_metrics_also_go_over_otlp(run):
     for request in run.otlp_metrics:
         for rm in request.resource_metrics:
             service = attrs(rm.resource)["service.name"]
-            last_model_names[service] = set()
-            for sm in rm.scope_metrics:
+            bridged = [sm for sm in rm.scope_metrics if sm.scope.name == "specdecode.prometheus"]
+            if bridged:
+                last_model_names[service] = set()
+            for sm in bridged:
                 for metric in sm.metrics:
                     points = getattr(metric, metric.WhichOneof("data")).data_points
                     last_model_names[service] |= {attrs(p).get("model_name") for p in points}
@@ -386,6 +364,15 @@ def test_metrics_also_go_over_otlp(run):
         run.metrics["orchestrator"]["specdecode_accepted_tokens_total"]
     assert last["specdecode-orchestrator", "specdecode_steps"] == usage.steps
     assert last["specdecode-scorer", "specdecode_kv_cache_hits"] > 0
+    # The GenAI conventions' server histograms, from the orchestrator: one request each.
+    genai = genai_histograms(run.otlp_metrics)
+    attributes = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "specdecode",
+                  "gen_ai.request.model": "target", "gen_ai.response.model": "target"}
+    for name in ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
+                 "gen_ai.server.time_per_output_token"):
+        (point,) = genai[name]
+        assert point.count == 1 and point.sum > 0 and attrs(point) == attributes, name
+        assert list(point.explicit_bounds) == BOUNDS[name]
 
 
 # -- step-span sampling ---------------------------------------------------------------------
@@ -401,7 +388,7 @@ def test_every_third_step_span_is_kept_and_the_rest_leave_no_trace(run, model_di
     assert {s.trace_id for s in sampled.spans} == {TRACE_ID}
     (generate_span,) = sampled.named("specdecode.v1.SpecDecodeService/Generate")
     assert generate_span.parent == TRACEPARENT.split("-")[2]
-    assert [s.attributes["specdecode.request_id"] for s in sampled.named("spec_decode.request")] \
+    assert [s.attributes["specdecode.request_id"] for s in sampled.named(REQUEST_SPAN)] \
         == ["obs-1"]
     steps = sampled.result.usage.steps
     kept = math.ceil(steps / 3)

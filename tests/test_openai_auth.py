@@ -23,3 +23,8 @@ def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
         # Authorised, the call reaches the API (503: this frontend is still loading).
         assert http.get("/v1/models", headers={"Authorization": "Bearer secret-1"}).status_code == 503
         assert http.get("/health").status_code == 503  # open, and honest about loading
+        # vLLM's extras: tokenizing is work, behind the tokens; version, ping and metrics open.
+        for path in ("/tokenize", "/detokenize"):
+            assert http.post(path, json={}).status_code == 401, path
+        assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
+        assert http.get("/ping").status_code == 503

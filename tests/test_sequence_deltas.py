@@ -121,7 +121,7 @@ def full_resends(stack: LocalStack) -> dict[str, float]:
 def replica_up(stack: LocalStack, role: str) -> bool:
     metrics = scrape_metrics(stack.metrics_ports["orchestrator"])
     return any(v == 1 for k, v in metrics.items()
-               if k.startswith("specdecode_replica_up{") and f'service="{role}"' in k)
+               if k.startswith("specdecode_replica_up{") and f'role="{role}"' in k)
 
 
 def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_dirs,

@@ -233,17 +233,21 @@ def test_cancelled_stream_frees_its_sequence_at_once(stack):
 
 
 def test_specdecode_up_serves_until_interrupted(tiny_model_dirs, expected):
-    """`specdecode up` prints the address, serves, and stops all three on Ctrl-C (SIGINT)."""
+    """`specdecode up` prints each server's start line and the address, serves, and stops all
+    three on Ctrl-C (SIGINT)."""
     port, http_port = free_port(), free_port()
     up = subprocess.Popen([sys.executable, "-m", "specdecode_stack.cli", "up", "--target-model",
                            tiny_model_dirs["target"], "--device", "cpu", "--port", str(port),
                            "--http-port", str(http_port)],
                           stdout=subprocess.PIPE, text=True)
     try:
-        line = up.stdout.readline()
-        while line and "serving on" not in line:
-            line = up.stdout.readline()
-        assert f"127.0.0.1:{port}" in line and f"http://127.0.0.1:{http_port}/v1" in line
+        lines = [up.stdout.readline()]
+        while lines[-1] and "serving on" not in lines[-1]:
+            lines.append(up.stdout.readline())
+        assert f"127.0.0.1:{port}" in lines[-1]
+        (orchestrator,) = [line for line in lines if line.startswith("orchestrator ")]
+        assert f"127.0.0.1:{port}" in orchestrator
+        assert f"OpenAI API http://127.0.0.1:{http_port}/v1" in orchestrator
         with SpecDecodeClient(f"127.0.0.1:{port}") as client:
             assert client.generate(PROMPTS[0], max_tokens=5).token_ids == expected[0][:5]
         health = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)

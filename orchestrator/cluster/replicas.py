@@ -39,15 +39,15 @@ from specdecode.model_info import ModelInfo
 log = logging.getLogger(__name__)
 
 REPLICA_UP = Gauge("specdecode_replica_up", "1 while a replica is on the routing ring.",
-                   ["service", "replica"])
+                   ["role", "replica"])
 REPLICA_SEQUENCES = Gauge("specdecode_replica_sequences",
                           "Running sequences routed to a replica in the last step.",
-                          ["service", "replica"])
+                          ["role", "replica"])
 REPLICA_STEPS = Counter("specdecode_replica_steps", "Step calls (sub-batches) sent to a replica.",
-                        ["service", "replica"])
+                        ["role", "replica"])
 REPLICA_FAILURES = Counter("specdecode_replica_failures",
                            "Step calls to a replica that failed or timed out.",
-                           ["service", "replica"])
+                           ["role", "replica"])
 
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
 # What each replica's client counts (orchestrator.cluster.remote), summed over the set.

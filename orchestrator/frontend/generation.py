@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.engine.loop import EngineLoop
 from orchestrator.engine.request import Request, StepOutput, TokenLogprobs
-from orchestrator.frontend import request_metrics as metrics, semconv
+from orchestrator.frontend import genai_metrics, request_metrics as metrics, semconv
 from orchestrator.frontend.admission import Admission, Slot
 from orchestrator.frontend.request import Generation, GenerationRequest, RequestLimits
 from specdecode import tracing
@@ -35,7 +35,8 @@ from specdecode.sequence import MAX_LOGPROBS
 class ServedModel:
     """What the public APIs serve (GetModelInfo, GET /v1/models)."""
 
-    model_name: str  # the target model's
+    model_name: str  # the name the APIs serve (--served-model-name, else the target's)
+    target_model_name: str  # the target model's own (its directory or file)
     draft_model_name: str  # or "ngram"
     vocab_size: int
     max_model_len: int
@@ -87,7 +88,7 @@ class Frontend:
         self.loaded = True
 
     @property
-    def model_name(self) -> str:  # the target model's (gen_ai.request.model)
+    def model_name(self) -> str:  # the served name (gen_ai.request.model)
         return self.info.model_name if self.info else ""
 
     def admit(self) -> Slot:
@@ -170,17 +171,22 @@ class Frontend:
 
 
 class _Progress:
-    """One generation's request span and serving metrics, as its deltas arrive."""
+    """One generation's request span and serving metrics (Prometheus, and the GenAI
+    conventions' OTLP histograms), as its deltas arrive."""
 
     def __init__(self, gen: Generation, model_name: str):
         self.gen, self.start, self.ttft = gen, time.perf_counter(), None
         self.total = Usage()  # summed over finished samples
-        self.span = tracing.RequestSpan("spec_decode.request", {
+        self.finish_reasons: dict[int, str] = {}  # sample index -> its finish reason
+        op = gen.operation
+        self.attributes = semconv.metric_attributes(op, model_name)
+        self.span = tracing.RequestSpan(op.span_name(model_name), {
             "specdecode.request_id": gen.request_id,
             "specdecode.prompt_tokens": len(gen.prompt_token_ids),
             "specdecode.max_tokens": gen.params.max_tokens,
             "specdecode.temperature": gen.params.temperature, "specdecode.n": gen.n,
-            **semconv.request_attributes(model_name, gen.params)}, time.time_ns())
+            **semconv.request_attributes(op, model_name, gen.params, gen.n, gen.stop,
+                                         gen.request_id)}, time.time_ns())
 
     def observe(self, sample: _Sample, delta: Delta, done: bool) -> None:
         now, n = time.perf_counter(), len(delta.token_ids)
@@ -195,8 +201,13 @@ class _Progress:
         if delta.finish_reason:
             metrics.REQUESTS.labels(delta.finish_reason).inc()
             self.total = add_usage(self.total, delta.usage)
+            self.finish_reasons[delta.index] = delta.finish_reason
             if done:
                 metrics.E2E.observe(now - self.start, self.span.exemplar)
+                tokens = self.total.completion_tokens
+                if self.ttft is not None and tokens > 1:
+                    metrics.TPOT.observe((now - self.start - self.ttft) / (tokens - 1),
+                                         self.span.exemplar)
                 self.end(delta.finish_reason)
 
     def failed(self, error: BaseException) -> None:
@@ -204,10 +215,21 @@ class _Progress:
         self.end("error", error)
 
     def end(self, reason: str, error: BaseException | None = None) -> None:
-        """Close the span (once: later calls do nothing)."""
-        self.span.end({**_span_attributes(self.total, reason), **semconv.response_attributes(
-            len(self.gen.prompt_token_ids), self.total.completion_tokens, reason, self.ttft,
-            time.perf_counter() - self.start)}, error=error)
+        """Close the span and record the GenAI metrics (once: later calls do nothing)."""
+        if self.span.ended:
+            return
+        seconds = time.perf_counter() - self.start
+        error_type = self.gen.operation.error_type(error, reason)
+        reasons = [self.finish_reasons.get(i, reason) for i in range(self.gen.n)]
+        attrs = {**_span_attributes(self.total, reason), **semconv.response_attributes(
+            len(self.gen.prompt_token_ids), self.total.completion_tokens, reasons)}
+        if self.ttft is not None:
+            attrs["specdecode.time_to_first_token_s"] = self.ttft
+        if error_type is not None:
+            attrs["error.type"] = error_type
+        genai_metrics.record(self.attributes, seconds, self.ttft,
+                             self.total.completion_tokens, error_type)
+        self.span.end(attrs, error=error)
 
 
 @dataclass

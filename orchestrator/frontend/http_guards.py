@@ -17,9 +17,10 @@ from specdecode.auth import TokenSet
 T = TypeVar("T")
 
 
-def require_token(app: FastAPI, tokens: TokenSet, prefix: str) -> None:
-    """Paths under `prefix` need `Authorization: Bearer <token>` for one of `tokens` (401 in
-    OpenAI's shape otherwise); the rest (health) stay open, as for gRPC."""
+def require_token(app: FastAPI, tokens: TokenSet, prefix: str | tuple[str, ...]) -> None:
+    """Paths under `prefix` (or any of several) need `Authorization: Bearer <token>` for one
+    of `tokens` (401 in OpenAI's shape otherwise); the rest (health, version, metrics) stay
+    open, as for gRPC."""
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):

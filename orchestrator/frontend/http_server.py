@@ -11,6 +11,7 @@ import ssl
 
 import uvicorn
 
+from specdecode.server import check_port_free
 from specdecode.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ class HttpServer:
             tls_kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
             if tls.ca:
                 tls_kw.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        # Checked here, before anything starts: a taken port is one clear line (uvicorn's
+        # own failure is its log and a SystemExit from a task).
+        check_port_free(host, port, "--http-port")
         config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=grace_seconds,
                                 **tls_kw)

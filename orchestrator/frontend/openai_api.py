@@ -2,8 +2,14 @@
 
     POST /v1/completions        prompt text or token ids
     POST /v1/chat/completions   messages, through the tokenizer's chat template
-    GET  /v1/models             the served model
-    GET  /health                200 when serving, 503 while loading
+    GET  /v1/models             the served model (--served-model-name, else the target's)
+    GET  /v1/models/{id}        that model, or 404
+    GET  /health, GET|POST /ping   200 when serving, 503 while loading (/ping: SageMaker's)
+
+and vLLM's /tokenize, /detokenize, /version and /metrics (orchestrator.frontend.vllm_api).
+Every response carries an `X-Request-Id` (the client's, or a fresh one), which is also the
+generation's id; requests are counted by route, method and status
+(orchestrator.frontend.http_observability).
 
 Streaming is server-sent events ending with `data: [DONE]`; `stream_options.include_usage`
 adds a last chunk with the usage. Usage carries the speculative counters as the extension
@@ -38,8 +44,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from orchestrator.frontend.admission import Slot
+from orchestrator.frontend.chat_template import render_chat
 from orchestrator.frontend.generation import Delta, Frontend, ServedModel
 from orchestrator.frontend.http_guards import BodyLimit, require_token, unless_disconnected
+from orchestrator.frontend.http_observability import HttpMetrics, RequestId, request_id_of
 from orchestrator.frontend.openai_output import (CompletionLogprobs, TokenText,
                                                  merge_completion_logprobs, sse)
 from orchestrator.frontend.openai_protocol import (APIError, ChatCompletionRequest,
@@ -47,6 +55,8 @@ from orchestrator.frontend.openai_protocol import (APIError, ChatCompletionReque
                                                    add_error_handlers, refuse_unsupported,
                                                    to_request)
 from orchestrator.frontend.request import Generation
+from orchestrator.frontend.semconv import CHAT, TEXT_COMPLETION, Operation
+from orchestrator.frontend.vllm_api import add_vllm_routes
 from specdecode.api import finish_reason
 from specdecode.api.usage import Usage, add_usage, openai_usage
 from specdecode.auth import TokenSet
@@ -67,10 +77,12 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     if tokens is not None:
-        require_token(app, tokens, "/v1/")
+        require_token(app, tokens, ("/v1/", "/tokenize", "/detokenize"))
     add_error_handlers(app)
 
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health():
         if not frontend.loaded:
             raise APIError(503, "still loading", "service_unavailable")
@@ -78,13 +90,11 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
 
     @app.get("/v1/models")
     async def models():
-        served = api.served()
-        return {"object": "list", "data": [{
-            "id": served.model_name, "object": "model", "created": api.created,
-            "owned_by": "specdecode", "max_model_len": served.max_model_len,
-            "draft_model": served.draft_model_name,
-            "num_speculative_tokens": served.num_speculative_tokens,
-            "scoring_method": served.scoring_method}]}
+        return {"object": "list", "data": [api.model_card(api.served())]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return api.model_card(api.check_model(model_id))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -94,6 +104,9 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await api.admitted(api.chat, body, request)
 
+    add_vllm_routes(app, frontend, api.check_model)
+    app.add_middleware(RequestId)
+    app.add_middleware(HttpMetrics, routes=app.router.routes)  # outermost: sees every answer
     return app
 
 
@@ -109,13 +122,23 @@ class _OpenAIApi:
         self.served()  # 503 while loading, before taking a slot
         slot = self.frontend.admit()
         try:
-            response = await unless_disconnected(request, handler(body, slot))
+            response = await unless_disconnected(
+                request, handler(body, slot, request_id_of(request.scope)))
         except BaseException:
             slot.release()
             raise
         if not isinstance(response, StreamingResponse):
             slot.release()
         return response
+
+    def model_card(self, served: ServedModel) -> dict:
+        """The model as /v1/models lists it: OpenAI's fields, vLLM's (`root`: what is
+        served under the name, `max_model_len`), and the speculation's."""
+        return {"id": served.model_name, "object": "model", "created": self.created,
+                "owned_by": "specdecode", "root": served.target_model_name,
+                "max_model_len": served.max_model_len, "draft_model": served.draft_model_name,
+                "num_speculative_tokens": served.num_speculative_tokens,
+                "scoring_method": served.scoring_method}
 
     def served(self) -> ServedModel:
         info = self.frontend.info
@@ -124,7 +147,7 @@ class _OpenAIApi:
                            "service_unavailable")
         return info
 
-    def _check_model(self, model: str | None) -> ServedModel:
+    def check_model(self, model: str | None) -> ServedModel:
         served = self.served()
         if model and model != served.model_name:
             raise APIError(404, f"model: {model!r} is not served here; this server serves "
@@ -133,8 +156,8 @@ class _OpenAIApi:
 
     # -- completions ---------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, slot: Slot):
-        served = self._check_model(body.model)
+    async def completions(self, body: CompletionRequest, slot: Slot, request_id: str):
+        served = self.check_model(body.model)
         refuse_unsupported(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -143,8 +166,9 @@ class _OpenAIApi:
                                     "supported; use n for several samples)", param="prompt")
             prompt = prompt[0]
         gen = await self.frontend.prepare(to_request(
-            body, prompt, body.max_tokens, body.logprobs))
-        rid, created = f"cmpl-{gen.request_id}", int(time.time())
+            body, prompt, body.max_tokens, body.logprobs, request_id=request_id,
+            operation=Operation(TEXT_COMPLETION, "http", body.stream, "cmpl-")))
+        rid, created = gen.operation.response_id(gen.request_id), int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created,
                 "model": served.model_name}
         logprobs = (CompletionLogprobs(self.frontend.tokenizer, body.return_tokens_as_token_ids)
@@ -189,37 +213,17 @@ class _OpenAIApi:
         if include_usage:
             yield {**head, "choices": [], "usage": openai_usage(total)}
 
-    def _chat_text(self, body: ChatCompletionRequest) -> str:
-        """The conversation through the tokenizer's chat template, its size bounded first
-        (the template's work grows with the messages)."""
-        tok = self.frontend.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "messages: this server's tokenizer has no chat template; use "
-                                "/v1/completions", param="messages")
-        messages = []
-        for i, m in enumerate(body.messages):
-            content = m.content
-            if isinstance(content, list):  # content parts: text only
-                if any(p.get("type") != "text" for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   param=f"messages[{i}].content")
-                content = "".join(p.get("text", "") for p in content)
-            messages.append({"role": m.role, "content": content or ""})
-        self.frontend.limits.check_messages(messages)
-        try:
-            return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template refused the conversation (e.g. roles)
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-
-    async def chat(self, body: ChatCompletionRequest, slot: Slot):
-        served = self._check_model(body.model)
+    async def chat(self, body: ChatCompletionRequest, slot: Slot, request_id: str):
+        served = self.check_model(body.model)
         refuse_unsupported(body)
-        text = await asyncio.to_thread(self._chat_text, body)
+        text = await asyncio.to_thread(render_chat, self.frontend.tokenizer,
+                                       self.frontend.limits, body.messages)
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         gen = await self.frontend.prepare(to_request(
             body, text, body.max_completion_tokens or body.max_tokens, n_logprobs,
-            prompt_field="messages", add_special_tokens=False))
-        base = {"id": f"chatcmpl-{gen.request_id}", "created": int(time.time()),
+            prompt_field="messages", add_special_tokens=False, request_id=request_id,
+            operation=Operation(CHAT, "http", body.stream, "chatcmpl-")))
+        base = {"id": gen.operation.response_id(gen.request_id), "created": int(time.time()),
                 "model": served.model_name}
         token_text = TokenText(self.frontend.tokenizer, body.return_tokens_as_token_ids)
 

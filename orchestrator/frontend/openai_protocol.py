@@ -181,12 +181,23 @@ def add_error_handlers(app: FastAPI) -> None:
                         headers=exc.headers).response()
 
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return APIError(400, message, param=param).response()
+        return validation_error(exc.errors()).response()
 
     for kind in (APIError, *(kind for kind, _ in ERROR_TABLE), Exception):
         app.add_exception_handler(kind, on_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """FastAPI's first complaint about a body as a 400 naming the field; a body that is not
+    JSON at all names none (FastAPI's location is then a byte offset, not a field)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        at = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        where = f" at character {at}" if at is not None else ""
+        return APIError(400, f"request body: not valid JSON ({reason}{where})")
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    message = f"{param}: {first.get('msg')}" if param else f"request body: {first.get('msg')}"
+    return APIError(400, message, param=param)

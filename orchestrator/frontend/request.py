@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.engine.detokenizer import Detokenizer
 from orchestrator.engine.request import Request
+from orchestrator.frontend.semconv import Operation
 from specdecode.limits import (MAX_REQUEST_ID_CHARS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, TEXT_BYTES_PER_TOKEN)
 from specdecode.errors import InvalidRequestError
@@ -38,6 +39,7 @@ class GenerationRequest:
     add_special_tokens: bool = True  # tokenizing adds them (a rendered chat template has them)
     # Where params.structured_output is in the API's message, for errors ("" = its own name).
     grammar_field: str = ""
+    operation: Operation = Operation()  # what the telemetry calls it (GenAI conventions)
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Generation:
     stop: list[str] = field(default_factory=list)  # stop strings
     num_speculative_tokens: int | None = None
     deadline: float | None = None  # the client's (time.monotonic()), bounding internal calls
+    operation: Operation = Operation()
 
     def requests(self, tokenizer=None) -> list[Request]:
         """One engine request per sample (ids `<id>` for n = 1, else `<id>/<i>`), each with
@@ -165,4 +168,4 @@ class RequestLimits:
             stop_ids += (eos_token_id,)
         params = dataclasses.replace(req.params, max_tokens=max_tokens, stop_token_ids=stop_ids)
         return Generation(request_id, list(prompt), params, req.n, list(req.stop),
-                          req.num_speculative_tokens)
+                          req.num_speculative_tokens, operation=req.operation)

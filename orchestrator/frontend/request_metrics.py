@@ -14,6 +14,9 @@ TTFT = Histogram("specdecode_time_to_first_token_seconds", "Time to the first to
                  buckets=LATENCY_BUCKETS)
 ITL = Histogram("specdecode_inter_token_latency_seconds",
                 "Time between streamed messages, per token they carry.", buckets=LATENCY_BUCKETS)
+TPOT = Histogram("specdecode_time_per_output_token_seconds",
+                 "Per request: the time after its first token over the tokens after it "
+                 "(vLLM's request_time_per_output_token).", buckets=LATENCY_BUCKETS)
 E2E = Histogram("specdecode_e2e_request_latency_seconds", "Request time, end to end.",
                 buckets=LATENCY_BUCKETS)
 

@@ -74,7 +74,8 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
     @map_errors
     async def GetModelInfo(self, request, context):
         # max_speculative_tokens: the wire keeps it; a request may ask for up to the server's k
-        return pb.GetModelInfoResponse(**vars(self.info),
+        served = {k: v for k, v in vars(self.info).items() if k != "target_model_name"}
+        return pb.GetModelInfoResponse(**served,
                                        max_speculative_tokens=self.info.num_speculative_tokens)
 
     @map_stream_errors

@@ -38,23 +38,23 @@ def ttft_buckets(slow: bool) -> list[dict]:
 
 CASES = {
     "scorer-down": ([
-        series("specdecode_replica_up", "1x4 0x20", service="scorer", replica="10.0.0.1:50053"),
+        series("specdecode_replica_up", "1x4 0x20", role="scorer", replica="10.0.0.1:50053"),
     ], [
         alert("SpecDecodeScorerDown", "3m"),
         alert("SpecDecodeScorerDown", "7m",
               ({"namespace": NAMESPACE, "severity": "critical", "team": "llm"}, "No scorer replica is reachable in llm")),
     ]),
-    # Scraped by the Prometheus operator, whose `service` target label renames the metric's.
+    # Scraped by the Prometheus operator, which adds its own `service` target label.
     "scorer-down-scraped-by-the-operator": ([
-        series("specdecode_replica_up", "1x4 0x20", exported_service="scorer", replica="10.0.0.1:50053",
+        series("specdecode_replica_up", "1x4 0x20", role="scorer", replica="10.0.0.1:50053",
                service="sd-specdecode-orchestrator"),
     ], [
         alert("SpecDecodeScorerDown", "7m",
               ({"namespace": NAMESPACE, "severity": "critical", "team": "llm"}, "No scorer replica is reachable in llm")),
     ]),
     "one-scorer-of-two-down": ([
-        series("specdecode_replica_up", "1x4 0x20", service="scorer", replica="10.0.0.1:50053"),
-        series("specdecode_replica_up", "1x24", service="scorer", replica="10.0.0.2:50053"),
+        series("specdecode_replica_up", "1x4 0x20", role="scorer", replica="10.0.0.1:50053"),
+        series("specdecode_replica_up", "1x24", role="scorer", replica="10.0.0.2:50053"),
     ], [alert("SpecDecodeScorerDown", "10m")]),
     "acceptance-collapse": ([
         # 2 draft tokens/s; 5% accepted in model a, 50% in model b.

@@ -1,0 +1,30 @@
+"""A conversation as prompt text, through the tokenizer's chat template (POST
+/v1/chat/completions, and /tokenize with messages)."""
+
+from __future__ import annotations
+
+from orchestrator.frontend.openai_protocol import APIError, ChatMessage
+from orchestrator.frontend.request import RequestLimits
+
+def render_chat(tokenizer, limits: RequestLimits, messages: list[ChatMessage],
+                add_generation_prompt: bool = True) -> str:
+    """The conversation through the tokenizer's chat template, its size bounded first
+    (the template's work grows with the messages). APIError 400 naming the field."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "messages: this server's tokenizer has no chat template; use "
+                            "/v1/completions", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):  # content parts: text only
+            if any(p.get("type") != "text" for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(p.get("text", "") for p in content)
+        plain.append({"role": m.role, "content": content or ""})
+    limits.check_messages(plain)
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # the template refused the conversation (e.g. roles)
+        raise APIError(400, f"messages: {exc}", param="messages") from None
