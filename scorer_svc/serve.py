@@ -23,6 +23,7 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
         attach_live_costs(loaded.runner, loaded.info.forward_cost)
         log.info("scorer ready: %s", loaded.info)
         return {"scorer": loaded.scorer, "info": loaded.info}
+    servicer = ScorerServicer(limits)
     await serve_deferred(options, scorer_service_pb2,
                          scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
-                         ScorerServicer(limits), load)
+                         servicer, load, after_serving=lambda _: servicer.keep_leases())

@@ -169,7 +169,8 @@ def map_stream_errors(method: Callable) -> Callable:
 
 class StrictDecoding(grpc.aio.ServerInterceptor):
     """A request that does not parse gets INVALID_ARGUMENT (grpcio itself would answer
-    UNKNOWN or INTERNAL) and is counted in specdecode_malformed_requests_total."""
+    UNKNOWN or INTERNAL) and is counted in specdecode_malformed_requests_total; a stream of
+    requests (reflection) is parsed message by message, each as it arrives."""
 
     def __init__(self):
         self._handlers: dict[str, tuple[object, object]] = {}
@@ -192,14 +193,20 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
                                     f"request: not a valid {method} request message "
                                     f"({type(exc).__name__})")
 
+        async def parsed(raw_requests, context):
+            async for raw in raw_requests:
+                yield await decode(raw, context)
+
         def unary(behavior):
             async def run(raw, context):
                 return await behavior(await decode(raw, context), context)
             return run
 
-        def stream(behavior):
+        def stream(behavior, streaming_requests: bool = False):
             async def run(raw, context):
-                responses = behavior(await decode(raw, context), context)
+                request = (parsed(raw, context) if streaming_requests
+                           else await decode(raw, context))
+                responses = behavior(request, context)
                 try:
                     async for response in responses:
                         yield response
@@ -212,7 +219,10 @@ class StrictDecoding(grpc.aio.ServerInterceptor):
             wrapped = grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
         elif handler.unary_stream is not None:
             wrapped = grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-        else:  # streaming requests (reflection) parse message by message: left as they are
+        elif handler.stream_stream is not None:
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                stream(handler.stream_stream, streaming_requests=True), **kw)
+        else:  # no service here takes a stream for one response
             return handler
         self._handlers[details.method] = (handler, wrapped)
         return wrapped

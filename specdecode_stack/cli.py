@@ -136,6 +136,9 @@ service_limit_options = option_group(
         help="Most draft tokens per sequence (k) in one call."),
     opt("--max-batch-tokens", default=0, type=click.IntRange(0),
         help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
+    opt("--sequence-lease-seconds", default=300.0, type=click.FloatRange(0, min_open=True),
+        help="A sequence's cached state (KV cache, delta token store) is reclaimed this "
+             "long after the last call that named it, if no release came."),
 )
 
 
@@ -219,14 +222,16 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
 @telemetry_options
 def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
                    kv_cache_memory, max_num_seqs, enforce_eager, trace_console, log_format,
-                   max_batch_seqs, max_speculative_tokens, max_batch_tokens, **server) -> None:
+                   max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                   sequence_lease_seconds, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
-    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
+    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                           sequence_lease_seconds)
     _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
                                         draft_confidence),
                 trace_console, log_format)
@@ -244,14 +249,15 @@ def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max
 @telemetry_options
 def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                  enforce_eager, trace_console, log_format, max_batch_seqs, max_speculative_tokens,
-                 max_batch_tokens, **server) -> None:
+                 max_batch_tokens, sequence_lease_seconds, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
                            enforce_eager)
-    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
+    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                           sequence_lease_seconds)
     _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
                 trace_console, log_format)
 
