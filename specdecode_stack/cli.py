@@ -29,7 +29,7 @@ from specdecode.limits import MAX_K
 from specdecode.auth import read_tokens
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES, DeviceUnavailableError
 from specdecode.model_info import IncompatibleModelsError
-from specdecode.tls import TlsFiles
+from specdecode.tls import CLIENT_AUTH_CHOICES, TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
@@ -129,6 +129,10 @@ telemetry_options = option_group(
 
 
 service_limit_options = option_group(
+    opt("--tls-client-auth", default="require", type=click.Choice(CLIENT_AUTH_CHOICES),
+        help="require: with --tls-cert, accept only clients with a certificate signed by "
+             "--tls-ca (starting without --tls-ca fails); none: serve TLS to any client "
+             "(logged as a warning)."),
     opt("--max-batch-seqs", default=256, type=click.IntRange(1),
         help="Most sequences in one call (at least the orchestrator's "
              "--max-running-requests)."),
@@ -210,6 +214,23 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
                          "Output stays lossless.")
 
 
+def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
+             enforce_eager, tls_client_auth, max_batch_seqs, max_speculative_tokens,
+             max_batch_tokens, sequence_lease_seconds, **server):
+    """run(ServerOptions, ModelOptions, ServiceLimits): the proposer or scorer, after its TLS
+    rule (specdecode.tls.check_client_auth, inside the run: a refusal is one line, the
+    warning a log line)."""
+    from specdecode.limits import ServiceLimits
+    from specdecode.model_loading import ModelOptions
+    from specdecode.tls import check_client_auth
+    options = _server(**server)
+    check_client_auth(options.tls, tls_client_auth)
+    return run(options, ModelOptions(model, device, dtype, max_model_len, kv_cache_memory,
+                                     max_num_seqs, enforce_eager),
+               ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                             sequence_lease_seconds))
+
+
 @serve.command("proposer")
 @opt("--model", default=DEFAULTS.draft_model, help="Draft model directory or .gguf, or 'ngram'.")
 @opt("--draft-vocab-size", default=DEFAULTS.draft_vocab_size, type=click.IntRange(0),
@@ -220,20 +241,13 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
 @service_limit_options
 @server_options(50052)
 @telemetry_options
-def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
-                   kv_cache_memory, max_num_seqs, enforce_eager, trace_console, log_format,
-                   max_batch_seqs, max_speculative_tokens, max_batch_tokens,
-                   sequence_lease_seconds, **server) -> None:
+def serve_proposer(draft_vocab_size, draft_confidence, trace_console, log_format,
+                   **service) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
-    from specdecode.limits import ServiceLimits
-    from specdecode.model_loading import ModelOptions
-    options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
-    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
-                           sequence_lease_seconds)
-    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
-                                        draft_confidence),
+    _run_server("proposer", lambda: _service(
+        lambda options, model, limits: run(options, model, draft_vocab_size, limits,
+                                           draft_confidence), **service),
                 trace_console, log_format)
 
 
@@ -247,18 +261,11 @@ def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max
 @service_limit_options
 @server_options(50053)
 @telemetry_options
-def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                 enforce_eager, trace_console, log_format, max_batch_seqs, max_speculative_tokens,
-                 max_batch_tokens, sequence_lease_seconds, **server) -> None:
+def serve_scorer(scoring, trace_console, log_format, **service) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
-    from specdecode.limits import ServiceLimits
-    from specdecode.model_loading import ModelOptions
-    options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
-    limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
-                           sequence_lease_seconds)
-    _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
+    _run_server("scorer", lambda: _service(
+        lambda options, model, limits: run(options, model, scoring, limits), **service),
                 trace_console, log_format)
 
 
@@ -427,8 +434,9 @@ def up(http_port, tls_cert, tls_key, tls_ca, auth_token_file, **kw) -> None:
         stack.config.tls = TlsFiles(tls_cert, tls_key, tls_ca)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if tls_ca and not tls_cert:
-        raise click.UsageError("--tls-ca needs --tls-cert and --tls-key")
+    if bool(tls_ca) != bool(tls_cert):
+        raise click.UsageError("--tls-cert, --tls-key and --tls-ca go together: the proposer "
+                               "and scorer accept only mutual-TLS peers")
     stack.config.auth_token_file = auth_token_file
     _start(stack)
     http = f", OpenAI API on http://127.0.0.1:{http_port}/v1" if http_port else ""
