@@ -29,9 +29,9 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
     "proposer": {"--model", "--device", "--dtype", "--host", "--port", "--metrics-port", "--grace-seconds",
-                 "--max-message-mb"},
+                 "--sequence-lease-seconds", "--max-message-mb"},
     "scorer": {"--model", "--device", "--dtype", "--scoring", "--host", "--port", "--metrics-port",
-               "--grace-seconds", "--max-message-mb"},
+               "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
@@ -158,11 +158,13 @@ def test_chart_flags_exist_in_the_real_cli():
 
 def test_values_reach_the_flags(helm):
     docs = helm.render(sets=["speculation.numSpeculativeTokens=7", "grpc.maxMessageMb=128", "scorer.port=6000",
-                             "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::"])
+                             "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::",
+                             "sequenceLeaseSeconds=45"])
     assert args_map(server(docs, "orchestrator"))["--num-speculative-tokens"] == "7"
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
     assert args_map(server(docs, "scorer"))["--scoring"] == "multi-query"
+    assert {args_map(server(docs, c))["--sequence-lease-seconds"] for c in ("proposer", "scorer")} == {"45"}
     for component in COMPONENTS:
         flags = args_map(server(docs, component))
         assert flags["--max-message-mb"] == "128" and flags["--host"] == "::"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.interfaces import SpeculativeProposals
-from specdecode.sampling import TokenHistory, sample_logits
+from specdecode.sampling import TokenHistory, sample_logits, truncated_probs
 from specdecode.sequence import (MIN_REPETITION_PENALTY, MIN_TEMPERATURE, ExecuteModelRequest,
                                  InvalidRequestError, SamplingParams, SequenceData,
                                  SequenceGroupMetadata, fields_of)
@@ -122,3 +122,12 @@ def test_fields_of_prefixes_the_field():
         raise InvalidRequestError("num_lookahead_slots", "must be >= 0")
     assert (e.value.field, str(e.value)) == ("request.num_lookahead_slots",
                                              "request.num_lookahead_slots: must be >= 0")
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token():
+    """top_p = 1e-60 is in (0, 1] but 0 in float32: the nucleus is still the top token."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))  # [2, V]
+    params = SamplingParams(temperature=0.8, top_p=1e-60)
+    params.validate(V)
+    probs = truncated_probs(logits, params)
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), V).float())
