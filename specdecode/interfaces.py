@@ -63,12 +63,14 @@ class SpeculativeProposals:
 
 def _check_probs(probs: torch.Tensor, normalised: torch.Tensor) -> None:
     """probs [B, k, V]: finite and in [0, 1]; the rows where `normalised` [B, k] sum to 1
-    (within the rounding of the tensor's dtype)."""
+    (within the rounding of the tensor's dtype). Two passes over the tensor: its extremes
+    (NaN and inf fail the range) and its row sums."""
     tolerance = max(1e-3, 4 * torch.finfo(probs.dtype).eps)
-    if not bool(torch.isfinite(probs).all()) or (probs.numel() and not (
-            float(probs.min()) >= 0.0 and float(probs.max()) <= 1.0 + tolerance)):
-        raise InvalidRequestError("proposal_probs", "values must be finite and in [0, 1]")
-    sums = probs[normalised].double().sum(-1)  # [rows]
+    if probs.numel():
+        low, high = torch.aminmax(probs)
+        if not (float(low) >= 0.0 and float(high) <= 1.0 + tolerance):  # NaN fails both
+            raise InvalidRequestError("proposal_probs", "values must be finite and in [0, 1]")
+    sums = probs.sum(-1, dtype=torch.float32)[normalised]  # [rows]
     off = (sums - 1.0).abs() > tolerance
     if off.any():
         i, j = normalised.nonzero()[int(off.nonzero()[0])].tolist()
