@@ -84,7 +84,7 @@ class SamplingParams:
         """The distribution's controls (the public API's validator and the services' peer
         checks both call this; max_tokens is the public request's: frontend.request)."""
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise InvalidRequestError("temperature", f"must be 0 (greedy) or a finite number "
+            raise InvalidRequestError("temperature", f"must be a finite number, 0 (greedy) or "
                                                      f">= {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")

@@ -65,7 +65,8 @@ def test_the_issue_rows_answer_invalid_argument_naming_the_field(stack):
         (score(1, [[-1]], [1]), "proposals.proposal_token_ids: [0, 0] is -1"),
         (score(1, [[3]], [1], 0.8, nan_probs), "proposals.proposal_probs: values must be finite"),
         (score(1, [[3]], [1], 1e-40),
-         "request.seq_group_metadata_list[0].sampling_params.temperature: must be 0"),
+         "request.seq_group_metadata_list[0].sampling_params.temperature: must be a finite "
+         "number, 0 (greedy) or >= 1e-05"),
     ]
     for message, text in rows:
         code, details = call(scorer, message.SerializeToString())
