@@ -35,3 +35,15 @@ def test_mutual_tls_and_plaintext_pass(pki):
     ca, server = pki
     check_client_auth(TlsFiles(server.cert, server.key, ca.ca_file))
     check_client_auth(TlsFiles())
+
+
+def test_up_needs_a_client_ca_with_its_certificate(pki):
+    """`specdecode up` gives the proposer and scorer its certificate: without a CA they
+    would refuse to start, so `up` refuses first, before starting anything."""
+    from click.testing import CliRunner
+
+    from specdecode_stack.cli import main
+    _, server = pki
+    result = CliRunner().invoke(main, ["up", "--tls-cert", server.cert, "--tls-key", server.key])
+    assert result.exit_code == 2
+    assert "--tls-cert, --tls-key and --tls-ca go together" in result.output
