@@ -28,6 +28,7 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
         export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}
+    servicer = ProposerServicer(limits)
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
-                         ProposerServicer(limits), load)
+                         servicer, load, after_serving=lambda _: servicer.keep_leases())

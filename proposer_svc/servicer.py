@@ -16,7 +16,7 @@ from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM, ModelInfo
 from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
-from specdecode.model_servicer import ModelServicer, decode_request
+from specdecode.model_servicer import ModelServicer
 from specdecode.models import resolve_model_dir
 from specdecode.server import map_errors
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
@@ -69,8 +69,7 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
     @map_errors
     async def GetProposals(self, request, context):
         start = time.perf_counter()
-        req, missing = decode_request(request.request, self._request_limits(), self.sequences,
-                                      self.limits)
+        req, missing = self.decode(request.request, self._request_limits())
         if missing:
             return proposer_service_pb2.GetProposalsResponse(missing_seq_ids=missing)
         await self.prepare_grammars(req, required=False)

@@ -25,6 +25,7 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
         export_grammar_metrics(loaded.grammars, "scorer")
         log.info("scorer ready: %s", loaded.info)
         return {"scorer": loaded.scorer, "info": loaded.info, "grammars": loaded.grammars}
+    servicer = ScorerServicer(limits)
     await serve_deferred(options, scorer_service_pb2,
                          scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
-                         ScorerServicer(limits), load)
+                         servicer, load, after_serving=lambda _: servicer.keep_leases())

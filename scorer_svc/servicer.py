@@ -13,8 +13,8 @@ from specdecode.model_info import ModelInfo
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
 from specdecode.model_runner import ModelRunner
-from specdecode.model_servicer import ModelServicer, decode_request
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import fields_of
+from specdecode.model_servicer import ModelServicer
 from specdecode.server import map_errors
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 from specdecode.worker import ModelWorker
@@ -54,21 +54,15 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
     @map_errors
     async def ScoreProposals(self, request, context):
         start = time.perf_counter()
-        req, missing = decode_request(request.request, self.info, self.sequences, self.limits)
+        req, missing = self.decode(request.request, self.info)
         if missing:
             return scorer_service_pb2.ScoreProposalsResponse(missing_seq_ids=missing)
         await self.prepare_grammars(req, required=True)
         proposals = wire.proposals_from_proto(request.proposals, "proposals",
                                               batch_size=len(req.seq_group_metadata_list),
                                               vocab_size=self.info.vocab_size)
-        ids = proposals.proposal_token_ids
-        if ids.shape[1] != req.num_lookahead_slots:
-            raise InvalidRequestError("proposals.proposal_token_ids",
-                                      f"has {ids.shape[1]} columns, num_lookahead_slots is "
-                                      f"{req.num_lookahead_slots}")
-        if ((ids < -1) | (ids >= self.info.vocab_size)).any():
-            raise InvalidRequestError("proposals.proposal_token_ids",
-                                      f"ids outside the vocabulary [0, {self.info.vocab_size})")
+        with fields_of("proposals"):
+            proposals.validate(req, self.info.vocab_size, self.info.max_model_len)
         scores = await self.model.run(self.scorer.score_proposals, req, proposals)
         if scores.logprobs is not None:  # rows nobody asked for travel as zeros (sparse)
             asked = [sg.sampling_params.logprobs is not None for sg in req.seq_group_metadata_list]

@@ -6,6 +6,8 @@ OpenAI HTTP API (orchestrator.frontend.openai_api) all answer from `status_of`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +22,16 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.detail = message
+
+
+@contextmanager
+def fields_of(prefix: str) -> Iterator[None]:
+    """An InvalidRequestError raised inside names its field under `prefix` (a nested
+    message's path, e.g. "request")."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{prefix}.{exc.field}", exc.detail) from None
 
 
 class Overloaded(Exception):

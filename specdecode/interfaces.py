@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.errors import InvalidRequestError
 from specdecode.sequence import ExecuteModelRequest, SequenceGroupMetadata
 
 
@@ -25,10 +26,57 @@ class SpeculativeProposals:
     # decode plainly this step, and the step's proposer time says nothing of its cost.
     fallback: int = 0
 
+    def validate(self, req: ExecuteModelRequest, vocab_size: int, max_model_len: int) -> None:
+        """Check proposals a peer sent for step `req` before any tensor op reads them (their
+        dtypes and shapes are the wire codec's: ids [B, k], lens [B] in [0, k], probs
+        [B, k, V]): k is the request's num_lookahead_slots; inside each sequence's length the
+        ids are in the vocabulary and beyond it -1; a sequence with its proposal fits the
+        model; probabilities are finite, in [0, 1], and sum to 1 where a sampled sequence
+        proposes. InvalidRequestError names the field (proposal_token_ids, ...)."""
+        ids, lens = self.proposal_token_ids, self.proposal_lens  # [B, k], [B]
+        k = req.num_lookahead_slots
+        if ids.shape[1] != k:
+            raise InvalidRequestError("proposal_token_ids", f"has {ids.shape[1]} columns, "
+                                                            f"num_lookahead_slots is {k}")
+        inside = torch.arange(k)[None, :] < lens[:, None]  # [B, k]
+        bad = torch.where(inside, (ids < 0) | (ids >= vocab_size), ids != -1)  # [B, k]
+        if bad.any():
+            i, j = bad.nonzero()[0].tolist()
+            raise InvalidRequestError("proposal_token_ids", f"[{i}, {j}] is {int(ids[i, j])}: "
+                                      f"within proposal_lens[{i}] = {int(lens[i])} ids are in "
+                                      f"[0, {vocab_size}), beyond it -1")
+        groups = req.seq_group_metadata_list
+        for i, (sg, n) in enumerate(zip(groups, lens.tolist())):
+            if sg.data.get_len() + n > max_model_len:
+                raise InvalidRequestError("proposal_lens", f"[{i}] = {n}: with its "
+                                          f"{sg.data.get_len()} tokens the sequence passes the "
+                                          f"max model length {max_model_len}")
+        if self.proposal_probs is not None:
+            sampled = torch.tensor([not sg.sampling_params.greedy for sg in groups])  # [B]
+            _check_probs(self.proposal_probs, inside & sampled[:, None])
+
     def __repr__(self) -> str:
         probs = None if self.proposal_probs is None else tuple(self.proposal_probs.shape)
         return (f"SpeculativeProposals(proposal_token_ids={self.proposal_token_ids.tolist()}, "
                 f"proposal_probs={probs}, proposal_lens={self.proposal_lens.tolist()})")
+
+
+def _check_probs(probs: torch.Tensor, normalised: torch.Tensor) -> None:
+    """probs [B, k, V]: finite and in [0, 1]; the rows where `normalised` [B, k] sum to 1
+    (within the rounding of the tensor's dtype). Two passes over the tensor: its extremes
+    (NaN and inf fail the range) and its row sums."""
+    tolerance = max(1e-3, 4 * torch.finfo(probs.dtype).eps)
+    if probs.numel():
+        low, high = torch.aminmax(probs)
+        if not (float(low) >= 0.0 and float(high) <= 1.0 + tolerance):  # NaN fails both
+            raise InvalidRequestError("proposal_probs", "values must be finite and in [0, 1]")
+    sums = probs.sum(-1, dtype=torch.float32)[normalised]  # [rows]
+    off = (sums - 1.0).abs() > tolerance
+    if off.any():
+        i, j = normalised.nonzero()[int(off.nonzero()[0])].tolist()
+        raise InvalidRequestError("proposal_probs", f"[{i}, {j}] sums to "
+                                  f"{float(sums[off][0]):.6g}; a sampled sequence's draft "
+                                  "distribution sums to 1")
 
 
 @dataclass

@@ -93,6 +93,7 @@ def truncated_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [N, V]
         drop_sorted = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[..., 0] = False  # the top token, even when top_p rounds to 0 in float32
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.errors import InvalidRequestError
+from specdecode.errors import InvalidRequestError, fields_of
 from specdecode.grammar.spec import StructuredOutput
 
 SeqId = int
@@ -20,6 +20,11 @@ TokenId = int
 
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
+# The smallest sampling temperature and repetition penalty: logits divided by smaller ones
+# can overflow float32 to inf, and the sampled distribution to NaN (vLLM treats a
+# temperature below 1e-5 as greedy; here it is refused, and 0 is greedy).
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
 
 
 def validate_token_ids(prompt: list[TokenId], output: list[TokenId], vocab_size: int,
@@ -82,18 +87,18 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """The distribution's controls (the public API's validator and the services' peer
         checks both call this; max_tokens is the public request's: frontend.request)."""
-        if not 0.0 <= self.temperature < math.inf:  # also catches NaN
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got "
-                                                     f"{self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise InvalidRequestError("temperature", f"must be a finite number, 0 (greedy) or "
+                                                     f">= {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise InvalidRequestError("repetition_penalty",
-                                      f"must be in (0, 100], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0:
+            raise InvalidRequestError("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}"
+                                                            f", 100], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -185,13 +190,22 @@ class ExecuteModelRequest:
         if self.num_lookahead_slots < 0:
             raise InvalidRequestError(
                 "num_lookahead_slots", f"must be >= 0, got {self.num_lookahead_slots}")
+        seen: set[SeqId] = set()
         for i, sg in enumerate(self.seq_group_metadata_list):
             where = f"seq_group_metadata_list[{i}]"
             if len(sg.seq_data) != 1:
                 raise InvalidRequestError(f"{where}.seq_data", "must hold exactly one sequence")
+            if sg.seq_id < 0 or sg.seq_id in seen:
+                raise InvalidRequestError(f"{where}.seq_data", f"sequence id {sg.seq_id} is "
+                                          "negative or appears twice in the batch")
+            seen.add(sg.seq_id)
             validate_token_ids(sg.data.prompt_token_ids, sg.data.output_token_ids, vocab_size,
                                max_model_len, where)
-            sg.sampling_params.validate(vocab_size)
+            if sg.num_speculative_tokens is not None and sg.num_speculative_tokens < 0:
+                raise InvalidRequestError(f"{where}.num_speculative_tokens",
+                                          f"must be >= 0, got {sg.num_speculative_tokens}")
+            with fields_of(f"{where}.sampling_params"):
+                sg.sampling_params.validate(vocab_size)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from specdecode import tracing
 from specdecode.auth import BearerAuth, TokenSet
 from specdecode.errors import INTERNAL, message_of, status_of
 from specdecode.served_metrics import SERVED
+from specdecode.strict_decoding import StrictDecoding
 from specdecode.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ RPC_SECONDS = prometheus_client.Histogram(
     "Time to handle one call of a specdecode service (health and reflection excluded); a "
     "Generate call lasts its whole stream.", ["method", "code"],
     buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-
-MALFORMED = prometheus_client.Counter(
-    "specdecode_malformed_requests", "Calls refused with INVALID_ARGUMENT because the request "
-    "message did not parse.", ["method"])
 
 # Server span status is ERROR for these codes (OpenTelemetry RPC conventions); a client's
 # bad input (INVALID_ARGUMENT, ...) is the client's error, recorded as the code only.
@@ -165,57 +162,6 @@ def map_stream_errors(method: Callable) -> Callable:
             await responses.aclose()
 
     return wrapper
-
-
-class StrictDecoding(grpc.aio.ServerInterceptor):
-    """A request that does not parse gets INVALID_ARGUMENT (grpcio itself would answer
-    UNKNOWN or INTERNAL) and is counted in specdecode_malformed_requests_total."""
-
-    def __init__(self):
-        self._handlers: dict[str, tuple[object, object]] = {}
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        cached = self._handlers.get(details.method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        parse, method = handler.request_deserializer, details.method.rsplit("/", 1)[-1]
-
-        async def decode(raw: bytes, context):
-            try:
-                return parse(raw)
-            except Exception as exc:  # DecodeError, RecursionError on absurd nesting, ...
-                MALFORMED.labels(method).inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request: not a valid {method} request message "
-                                    f"({type(exc).__name__})")
-
-        def unary(behavior):
-            async def run(raw, context):
-                return await behavior(await decode(raw, context), context)
-            return run
-
-        def stream(behavior):
-            async def run(raw, context):
-                responses = behavior(await decode(raw, context), context)
-                try:
-                    async for response in responses:
-                        yield response
-                finally:
-                    await responses.aclose()
-            return run
-
-        kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
-        if handler.unary_unary is not None:
-            wrapped = grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kw)
-        elif handler.unary_stream is not None:
-            wrapped = grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kw)
-        else:  # streaming requests (reflection) parse message by message: left as they are
-            return handler
-        self._handlers[details.method] = (handler, wrapped)
-        return wrapped
 
 
 class _CallObserver:

@@ -42,6 +42,30 @@ class TlsFiles:
         return bool(self.cert)
 
 
+CLIENT_AUTH_CHOICES = ("require", "none")
+
+
+def check_client_auth(files: TlsFiles, client_auth: str = "require") -> None:
+    """The proposer's and scorer's rule (docs/security.md): over TLS they accept only peers
+    with a client certificate, so a certificate without a client CA is refused (ValueError,
+    one line) unless client_auth is "none", which serves TLS to any client, with a warning."""
+    if client_auth not in CLIENT_AUTH_CHOICES:
+        raise ValueError(f"--tls-client-auth: one of {', '.join(CLIENT_AUTH_CHOICES)}, "
+                         f"got {client_auth!r}")
+    if not files.enabled:
+        return
+    if client_auth == "require" and not files.ca:
+        raise ValueError("--tls-cert without --tls-ca: the proposer and scorer accept only "
+                         "mutual-TLS peers; give --tls-ca (the CA of the orchestrator's client "
+                         "certificate), or --tls-client-auth none to serve TLS to any client")
+    if client_auth == "none":
+        if files.ca:
+            raise ValueError("--tls-client-auth none contradicts --tls-ca (which requires "
+                             "client certificates signed by it)")
+        log.warning("serving TLS without client certificates (--tls-client-auth none): any "
+                    "client that reaches this port may call it unless --auth-token-file is set")
+
+
 def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 

@@ -38,6 +38,7 @@ from specdecode_stack.options import (DEFAULTS, Sectioned, WholeText, admission_
                                       orchestrator_model_options,
                                       orchestrator_service_options, server_options,
                                       server_security_options, service_limit_options,
+                                      service_security_options,
                                       stack_log_options, stack_model_options,
                                       stack_security_options, stack_serving_options,
                                       stack_speculation_options, target_options,
@@ -89,14 +90,21 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_hos
                          metrics_host=metrics_host, **extra)
 
 
-def _service(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs, enforce_eager,
-             deterministic, max_batch_seqs, max_speculative_tokens, max_batch_tokens):
-    """A proposer's or scorer's model options and call limits."""
+def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
+             enforce_eager, deterministic, tls_client_auth, max_batch_seqs,
+             max_speculative_tokens, max_batch_tokens, sequence_lease_seconds, **server):
+    """run(ServerOptions, ModelOptions, ServiceLimits): the proposer or scorer, after its TLS
+    rule (specdecode.tls.check_client_auth, inside the run: a refusal is one line, the
+    warning a log line)."""
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
-    return (ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                         enforce_eager, deterministic == "on"),
-            ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens))
+    from specdecode.tls import check_client_auth
+    options = _server(**server)
+    check_client_auth(options.tls, tls_client_auth)
+    return run(options, ModelOptions(model, device, dtype, max_model_len, kv_cache_memory,
+                                     max_num_seqs, enforce_eager, deterministic == "on"),
+               ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+                             sequence_lease_seconds))
 
 
 @serve.command("proposer", cls=Sectioned)
@@ -104,19 +112,15 @@ def _service(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
 @model_options
 @service_limit_options
 @server_options(50052)
-@server_security_options
+@service_security_options
 @telemetry_options()
-def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
-                   kv_cache_memory, max_num_seqs, enforce_eager, deterministic, trace_console,
-                   log_format, log_level, max_batch_seqs, max_speculative_tokens, max_batch_tokens,
-                   **server) -> None:
+def serve_proposer(draft_vocab_size, draft_confidence, trace_console, log_format, log_level,
+                   **service) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
-    options, limits = _service(model, device, dtype, max_model_len, kv_cache_memory,
-                               max_num_seqs, enforce_eager, deterministic, max_batch_seqs,
-                               max_speculative_tokens, max_batch_tokens)
-    _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
-                                        draft_confidence),
+    _run_server("proposer", lambda: _service(
+        lambda options, model, limits: run(options, model, draft_vocab_size, limits,
+                                           draft_confidence), **service),
                 trace_console, log_format, log_level)
 
 
@@ -125,18 +129,13 @@ def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max
 @model_options
 @service_limit_options
 @server_options(50053)
-@server_security_options
+@service_security_options
 @telemetry_options()
-def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                 enforce_eager, deterministic, trace_console, log_format, log_level,
-                 max_batch_seqs,
-                 max_speculative_tokens, max_batch_tokens, **server) -> None:
+def serve_scorer(scoring, trace_console, log_format, log_level, **service) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
-    options, limits = _service(model, device, dtype, max_model_len, kv_cache_memory,
-                               max_num_seqs, enforce_eager, deterministic, max_batch_seqs,
-                               max_speculative_tokens, max_batch_tokens)
-    _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
+    _run_server("scorer", lambda: _service(
+        lambda options, model, limits: run(options, model, scoring, limits), **service),
                 trace_console, log_format, log_level)
 
 
@@ -227,8 +226,9 @@ def _start_line(stack: LocalStack, role: str) -> str:
 @stack_log_options
 def up(tls_cert, tls_key, tls_ca, **kw) -> None:
     """Start proposer, scorer and orchestrator; Ctrl-C stops all three."""
-    if tls_ca and not tls_cert:
-        raise click.UsageError("--tls-ca needs --tls-cert and --tls-key")
+    if bool(tls_ca) != bool(tls_cert):
+        raise click.UsageError("--tls-cert, --tls-key and --tls-ca go together: the proposer "
+                               "and scorer accept only mutual-TLS peers")
     try:
         config = StackConfig(**kw, tls=TlsFiles(tls_cert, tls_key, tls_ca))
     except ValueError as exc:

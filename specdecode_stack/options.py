@@ -17,6 +17,7 @@ from orchestrator.config import SPECULATION
 from scorer_svc.methods import SCORING_CHOICES
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.limits import MAX_K
+from specdecode.tls import CLIENT_AUTH_CHOICES
 from specdecode.tracing import parse_trace_steps
 from specdecode_stack.local import StackConfig
 
@@ -99,8 +100,7 @@ def server_options(default_port: int):
     )
 
 
-server_security_options = option_group(
-    "Security",
+_security = (
     opt("--tls-cert", default=None, type=click.Path(dir_okay=False),
         help="PEM certificate (chain): serve TLS (needs --tls-key). Re-read when the "
              "file changes."),
@@ -113,6 +113,14 @@ server_security_options = option_group(
              "listed in this file (one per line; re-read when it changes). Health "
              "checks stay open."),
 )
+server_security_options = option_group("Security", *_security)
+# The proposer's and scorer's: who may call them.
+service_security_options = option_group(
+    "Security", *_security,
+    opt("--tls-client-auth", default="require", type=click.Choice(CLIENT_AUTH_CHOICES),
+        help="require: with --tls-cert, accept only clients with a certificate signed by "
+             "--tls-ca (starting without --tls-ca fails); none: serve TLS to any client "
+             "(logged as a warning)."))
 
 
 ON_OFF = ("on", "off")
@@ -163,6 +171,9 @@ service_limit_options = option_group(
         help="Most draft tokens per sequence (k) in one call."),
     opt("--max-batch-tokens", default=0, type=click.IntRange(0),
         help="Most token ids in one call (0 = --max-batch-seqs x the max model length)."),
+    opt("--sequence-lease-seconds", default=300.0, type=click.FloatRange(0, min_open=True),
+        help="A sequence's cached state (KV cache, delta token store) is reclaimed this "
+             "long after the last call that named it, if no release came."),
 )
 
 

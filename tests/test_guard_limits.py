@@ -30,6 +30,7 @@ from specdecode.v1 import (model_info_pb2, proposer_service_pb2, scorer_service_
                            sequence_pb2, tensor_pb2)
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.conftest import reference_greedy
+from tests.integration.fuzzing import mutate_bytes
 
 STREAM_PROMPT, STREAM_TOKENS = [11, 22, 33, 44, 55], 200
 SCORE = "/specdecode.v1.ScorerService/ScoreProposals"
@@ -364,31 +365,6 @@ def _seeds() -> dict[str, tuple[bytes, bool]]:
     }
 
 
-def _mutate(rng: random.Random, data: bytes, others: list[bytes]) -> bytes:
-    b = bytearray(data)
-    kind = rng.randrange(7)
-    if kind == 0 or not b:  # random bytes
-        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 120)))
-    if kind == 1:  # flip bits
-        for _ in range(rng.randrange(1, 6)):
-            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
-    elif kind == 2:  # truncate
-        del b[rng.randrange(len(b)):]
-    elif kind == 3:  # overwrite bytes with extreme values (varints, lengths, tags)
-        for _ in range(rng.randrange(1, 4)):
-            b[rng.randrange(len(b))] = rng.choice([0x00, 0x7F, 0x80, 0xFF, 0x0A, 0x12, 0x1A])
-    elif kind == 4:  # insert bytes
-        at = rng.randrange(len(b) + 1)
-        b[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 10)))
-    elif kind == 5:  # splice with another method's message
-        other = rng.choice(others)
-        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other) + 1):]
-    else:  # duplicate a slice (repeated fields, overlong messages)
-        start = rng.randrange(len(b))
-        b += b[start:start + rng.randrange(1, 40)]
-    return bytes(b)
-
-
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
            grpc.StatusCode.FAILED_PRECONDITION}
@@ -408,7 +384,7 @@ def test_fuzz_all_three_services(stack, target_model):
         method = methods[i % len(methods)]
         role = roles.get(method, "scorer" if "Scorer" in method else "proposer")
         data, streaming = seeds[method]
-        code, details, _ = call(channels[role], method, _mutate(rng, data, others),
+        code, details, _ = call(channels[role], method, mutate_bytes(rng, data, others),
                                 timeout=3.0, stream=streaming)
         seen[code.name] = seen.get(code.name, 0) + 1
         assert code in ALLOWED, (i, method, code, details)

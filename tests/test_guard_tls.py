@@ -220,7 +220,9 @@ def test_up_serves_tls_mtls_and_tokens(tiny_model_dirs, pki, target_model, tmp_p
              "--tls-ca", pki["ca"], "--auth-token-file", pki["tokens"]],
             stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        line = proc.stdout.readline()  # printed once all three servers report SERVING
+        line = proc.stdout.readline()  # after the start lines, once all three report SERVING
+        while line and not line.startswith("specdecode is serving"):
+            line = proc.stdout.readline()
         assert line.startswith(f"specdecode is serving on 127.0.0.1:{port}"), \
             (line, log.read_text()[-2000:])
         address = f"127.0.0.1:{port}"

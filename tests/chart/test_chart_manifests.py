@@ -29,9 +29,9 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
     "proposer": {"--model", "--device", "--dtype", "--deterministic", "--host", "--port", "--metrics-port",
-                 "--grace-seconds", "--max-message-mb"},
+                 "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb"},
     "scorer": {"--model", "--device", "--dtype", "--deterministic", "--scoring", "--host", "--port",
-               "--metrics-port", "--grace-seconds", "--max-message-mb"},
+               "--metrics-port", "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
@@ -159,7 +159,7 @@ def test_chart_flags_exist_in_the_real_cli():
 def test_values_reach_the_flags(helm):
     docs = helm.render(sets=["speculation.numSpeculativeTokens=7", "grpc.maxMessageMb=128", "scorer.port=6000",
                              "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::",
-                             "numerics.deterministic=false"])
+                             "numerics.deterministic=false", "sequenceLeaseSeconds=45"])
     assert args_map(server(docs, "orchestrator"))["--num-speculative-tokens"] == "7"
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
@@ -167,6 +167,7 @@ def test_values_reach_the_flags(helm):
     assert args_map(server(docs, "scorer"))["--deterministic"] == "off"
     assert args_map(server(docs, "proposer"))["--deterministic"] == "off"
     assert args_map(server(helm.render(), "scorer"))["--deterministic"] == "on"
+    assert {args_map(server(docs, c))["--sequence-lease-seconds"] for c in ("proposer", "scorer")} == {"45"}
     for component in COMPONENTS:
         flags = args_map(server(docs, component))
         assert flags["--max-message-mb"] == "128" and flags["--host"] == "::"
