@@ -10,7 +10,7 @@ from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from specdecode import wire
-from specdecode.cost_model import calibrate
+from specdecode.cost_model import calibrate, calibration_widths
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.model_info import NGRAM, ModelInfo
 from specdecode.model_loading import ModelOptions, load_runner, model_info_for
@@ -49,8 +49,9 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
     runner, fingerprint = load_runner(options)
     kept = prune_lm_head(runner.model, resolve_model_dir(options.model), draft_vocab_size)
     log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
-    info = model_info_for(runner, options, fingerprint, role="proposer",
-                          forward_cost=calibrate(runner))
+    costs = calibrate(runner, tokens=calibration_widths(options.calibration_width,
+                                                        catch_up=True))
+    info = model_info_for(runner, options, fingerprint, role="proposer", forward_cost=costs)
     return LoadedProposer(DraftModelProposer(ModelWorker(runner, "draft"), draft_confidence),
                           info, runner)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.cost_model import ForwardCosts
+from specdecode.cost_model import CALIBRATION_WIDTH, ForwardCosts
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.model_info import ModelInfo
 from specdecode.model_runner import DEFAULT_MAX_NUM_SEQS, ModelRunner
@@ -23,6 +23,9 @@ class ModelOptions:
     kv_cache_memory: int | None = None  # bytes; None = the runner's default budget
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enforce_eager: bool = False  # no captured graphs (CUDA)
+    # The widest forward (query tokens per row) the cost table times: the orchestrator's
+    # max k + 1 (specdecode.cost_model).
+    calibration_width: int = CALIBRATION_WIDTH
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,

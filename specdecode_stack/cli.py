@@ -116,6 +116,10 @@ model_options = option_group(
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
     opt("--enforce-eager", is_flag=True, default=False,
         help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
+    opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
+        type=click.IntRange(1),
+        help="Widest forward (new tokens per row) the forward-cost table times, every width "
+             "up to it: the orchestrator's --num-speculative-tokens + 1."),
 )
 
 
@@ -218,14 +222,15 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
 @server_options(50052)
 @telemetry_options
 def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max_model_len,
-                   kv_cache_memory, max_num_seqs, enforce_eager, trace_console, log_format,
-                   max_batch_seqs, max_speculative_tokens, max_batch_tokens, **server) -> None:
+                   kv_cache_memory, max_num_seqs, enforce_eager, calibration_width,
+                   trace_console, log_format, max_batch_seqs, max_speculative_tokens,
+                   max_batch_tokens, **server) -> None:
     """The proposer service (draft model or n-gram)."""
     from proposer_svc.serve import serve_proposer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
+                           enforce_eager, calibration_width)
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
     _run_server("proposer", lambda: run(_server(**server), options, draft_vocab_size, limits,
                                         draft_confidence),
@@ -243,14 +248,14 @@ def serve_proposer(model, draft_vocab_size, draft_confidence, device, dtype, max
 @server_options(50053)
 @telemetry_options
 def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                 enforce_eager, trace_console, log_format, max_batch_seqs, max_speculative_tokens,
-                 max_batch_tokens, **server) -> None:
+                 enforce_eager, calibration_width, trace_console, log_format, max_batch_seqs,
+                 max_speculative_tokens, max_batch_tokens, **server) -> None:
     """The scorer service (the target model)."""
     from scorer_svc.serve import serve_scorer as run
     from specdecode.limits import ServiceLimits
     from specdecode.model_loading import ModelOptions
     options = ModelOptions(model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-                           enforce_eager)
+                           enforce_eager, calibration_width)
     limits = ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens)
     _run_server("scorer", lambda: run(_server(**server), options, scoring, limits),
                 trace_console, log_format)

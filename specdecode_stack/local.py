@@ -152,7 +152,8 @@ class LocalStack:
         from specdecode.models import has_tokenizer  # loads torch: the CLI's client path must not
         c = self.config
         model = c.target_model or "default"
-        model_args = ["--device", c.device, "--dtype", c.dtype]
+        model_args = ["--device", c.device, "--dtype", c.dtype,
+                      "--calibration-width", str(c.num_speculative_tokens + 1)]
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]
         auth = ["--auth-token-file", c.auth_token_file] if c.auth_token_file else []
         probe = c.tls if c.tls.enabled else None  # health checks present our certificate

@@ -1,0 +1,145 @@
+"""What the speculation policy knows of a sequence and expects of a step: acceptance and
+continuation estimates (decayed counts), and the distribution of proposal lengths that
+prices a batch's verify by its longest proposal (docs/design.md, adaptive speculation).
+
+With per-token acceptance α and a draft that goes on after each proposal with probability
+c (early stop), a sequence asking for k proposals emits on average
+
+    E(α, k, c) = 1 + Σ_{j=1..k} c^(j-1) α^j
+
+tokens (the accepted prefix plus the target's token), and its proposal length L has
+P(L >= j) = c^(j-1) for 1 <= j <= k (an n-gram proposer: L = k when it finds a match, with
+the sequence's match rate r, else 0). A batch's verify is as wide as its longest proposal
+plus one: P(max_i L_i <= m) = Π_i P(L_i <= m).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
+PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
+OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
+TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
+
+
+def expected_tokens(alpha: float, k: int, cont: float = 1.0) -> float:
+    """E(α, k, c): tokens one sequence emits from up to k proposals at per-token acceptance
+    α, when the draft goes on after each proposal with probability `cont` (early stop)."""
+    if k <= 0:
+        return 1.0
+    if cont >= 1.0:
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return 1.0 + sum(cont ** (j - 1) * alpha ** j for j in range(1, k + 1))
+
+
+def length_pmf(k: int, cont: float = 1.0, rate: float = 1.0,
+               draft_model: bool = True) -> list[float]:
+    """[k+1]: P(L = j), the proposal length returned when asking for k. A draft model
+    proposes at least one token and stops early after position j with probability
+    1 - cont; an n-gram proposer proposes k with probability `rate` (a match), else 0."""
+    if k <= 0:
+        return [1.0]
+    if not draft_model:
+        return [1.0 - rate] + [0.0] * (k - 1) + [rate]
+    return [0.0] + [cont ** (j - 1) * (1.0 - cont) for j in range(1, k)] + [cont ** (k - 1)]
+
+
+def point_pmf(n: int) -> list[float]:
+    """A proposal length known to be n (a step that ran)."""
+    return [0.0] * n + [1.0]
+
+
+def longest_pmf(pmfs: list[list[float]]) -> list[float]:
+    """P(max_i L_i = m) for m = 0 .. the longest k: what a batch's verify width follows."""
+    top = max(len(p) for p in pmfs)
+    cdfs = []
+    for p in pmfs:
+        acc, cdf = 0.0, []
+        for m in range(top):
+            acc += p[m] if m < len(p) else 0.0
+            cdf.append(min(acc, 1.0))
+        cdfs.append(cdf)
+    joint = [1.0] * top
+    for cdf in cdfs:
+        joint = [a * b for a, b in zip(joint, cdf)]
+    return [joint[0]] + [joint[m] - joint[m - 1] for m in range(1, top)]
+
+
+def longer_than(pmf: list[float], s: int) -> float:
+    """P(L > s)."""
+    return sum(pmf[s + 1:])
+
+
+def mean_length(pmf: list[float]) -> float:
+    return sum(j * p for j, p in enumerate(pmf))
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of one sequence's (or all sequences') verification outcomes."""
+
+    accepted: float = 0.0  # draft tokens accepted before the first rejection
+    tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
+    proposed: float = 0.0  # steps where the proposer returned tokens ...
+    asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
+    continued: float = 0.0  # draft positions after which the draft went on ...
+    tested: float = 0.0  # ... out of those where it could have stopped early
+    speculated: bool = False  # it ever had a proposal verified
+    plain_steps: int = 0  # steps without a proposal since it last had one ...
+    plain_s: float = 0.0  # ... and their predicted seconds (its exploration budget)
+    explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
+    exploring: bool = False  # its last speculative step was an exploration
+
+    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+    def trusted_k(self) -> int:
+        """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
+        accepted tokens, at least TRUST_START."""
+        return max(TRUST_START, int(TRUST_GROWTH * self.accepted))
+
+    def proposal_rate(self, weight: float = 1.0) -> float:
+        return (self.proposed + weight) / (self.asked + weight)
+
+    def continuation(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """How often the draft goes on after a proposal (1: it never stops early)."""
+        return (self.continued + weight * prior) / (self.tested + weight)
+
+    def drafted(self, asked: int, proposed: int, decay: float) -> None:
+        """A draft model returned `proposed` of `asked` tokens: it went on after each but
+        the last, and stopped early after the last when it is short of what was asked."""
+        if not proposed:
+            return
+        stopped = 1 if proposed < asked else 0
+        self.continued = decay * self.continued + proposed - 1
+        self.tested = decay * self.tested + proposed - 1 + stopped
+
+    def update(self, asked: int, proposed: int, accepted: int, decay: float) -> None:
+        """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
+        prefix length (tokens emitted - 1)."""
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        if asked:
+            self.asked = decay * self.asked + 1
+            self.proposed = decay * self.proposed + (1 if proposed else 0)
+
+    def idle(self, decay: float) -> None:
+        self.accepted *= decay
+        self.tried *= decay
+        self.plain_steps += 1
+
+
+@dataclass
+class Learned:
+    """A running mean that trusts its first samples fully (1/n) and then weighs each new one
+    OVERHEAD_WEIGHT, so one observation replaces a start-up guess and later ones track drift."""
+
+    value: float
+    n: int = 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(OVERHEAD_WEIGHT, 1.0 / self.n) * (x - self.value)
