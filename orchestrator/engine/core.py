@@ -177,6 +177,8 @@ class SpecDecodeEngine:
         k = req.num_lookahead_slots
         stats = StepStats(batch_size=len(batch.rows), k=k, chosen_k=list(plan.ks),
                           predicted_scoring=plan.scoring, explore=plan.explore,
+                          k_reasons=list(plan.reasons), predicted_speedup=plan.speedup,
+                          best_speculative_speedup=plan.best_speedup,
                           accepted_by_position=[0] * k)
         with deadlines.bounded_by(self._deadline(batch.seqs)):
             proposals, warming = self._propose(batch, req)
@@ -334,6 +336,8 @@ class SpecDecodeEngine:
             self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
             if n:
                 stats.observe_draft(n, passed[i], len(tokens))
+            elif plan.ks[i] and read:
+                stats.k_reasons[i] = "no_match"  # asked, and the proposer found nothing
             seq.stats.observe_step(n, len(tokens))
             new = append_tokens(seq, tokens, self.max_model_len)
             stats.new_tokens += len(new)

@@ -15,7 +15,10 @@ plus one: P(max_i L_i <= m) = Π_i P(L_i <= m).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from specdecode.cost_model import ForwardCosts
 
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
@@ -75,6 +78,40 @@ def longer_than(pmf: list[float], s: int) -> float:
 
 def mean_length(pmf: list[float]) -> float:
     return sum(j * p for j, p in enumerate(pmf))
+
+
+def verify_extra(costs: ForwardCosts, method: str, pmfs: list[list[float]],
+                 factor: Callable[[int], float]) -> float:
+    """Expected seconds of a step's verify beyond a decode, pmfs[i] the distribution of row
+    i's proposal length: over the longest proposal M's distribution, the table's
+    V(rows, M + 1) - V(B, 1) times factor(M + 1) (what was measured at that width; M = 0:
+    the call is a decode). Batch expansion feeds B + Σ L_i rows (at their mean)."""
+    B = len(pmfs)
+    rows = B if method == "multi-query" else round(B + sum(mean_length(p) for p in pmfs))
+    decode = costs(B, 1)
+    return sum(p * (costs(rows, m + 1) - decode) * factor(m + 1)
+               for m, p in enumerate(longest_pmf(pmfs)) if m and p)
+
+
+def draft_seconds(costs: ForwardCosts, pmfs: list[list[float]],
+                  behind: list[int]) -> tuple[float, float]:
+    """The draft table's seconds for a step's forwards: (steady, catch-up). Forward s
+    (s >= 1) runs while any row is still drafting (P(L_i > s)), over the rows that are
+    (their expected count, given that it runs); the first reads what each row missed
+    (padded to the longest), of which up to 2 tokens (the bonus token, and the last
+    proposal when all were accepted) are the steady state and the rest is catch-up."""
+    drafting = [i for i, p in enumerate(pmfs) if len(p) > 1]
+    width = max((behind[i] for i in drafting), default=1)
+    steady = 0.0
+    for s in range(1, max(len(p) for p in pmfs) - 1):
+        stay = [longer_than(pmfs[i], s) for i in drafting]
+        none = 1.0
+        for q in stay:
+            none *= 1.0 - q
+        if none < 1.0:
+            steady += (1.0 - none) * costs(max(1.0, sum(stay) / (1.0 - none)), 1)
+    first = costs(len(drafting), min(width, 2))
+    return steady + first, max(costs(len(drafting), width) - first, 0.0)
 
 
 @dataclass

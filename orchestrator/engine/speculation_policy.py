@@ -45,8 +45,8 @@ import threading
 from dataclasses import dataclass, field
 
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
-                                                  expected_tokens, length_pmf, longer_than,
-                                                  longest_pmf, mean_length, point_pmf)
+                                                  draft_seconds, expected_tokens, length_pmf,
+                                                  point_pmf, verify_extra)
 from specdecode.cost_model import ForwardCosts, verify_seconds
 
 __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]
@@ -293,7 +293,7 @@ class SpeculationPolicy:
             return
         if self.draft_model:
             plan.behind = [c.behind for c in candidates]
-            steady, catch_up = self._drafted(pmfs, plan.behind)
+            steady, catch_up = draft_seconds(self.draft_costs, pmfs, plan.behind)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
             seconds += self._rpc() + self.draft_factor.value * steady
@@ -303,42 +303,14 @@ class SpeculationPolicy:
         else:
             seconds += self.ngram_s.value
         methods = ("multi-query", "batch-expansion") if self.scoring == "auto" else (plan.scoring,)
-        extra = {m: self._verify_extra(m, pmfs) for m in methods}
+        extra = {m: verify_extra(self.scorer_costs, m, pmfs, self._verify_factor)
+                 for m in methods}
         plan.scoring = min(methods, key=lambda m: extra[m])
         plan.seconds = max(seconds + extra[plan.scoring], 1e-6)
-
-    def _verify_extra(self, method: str, pmfs: list[list[float]]) -> float:
-        """Expected seconds of the step's verify beyond a decode: over the longest proposal
-        M's distribution, the table's V(rows, M + 1) - V(B, 1), mended by what was measured
-        at that width (M = 0: the call is a decode). Batch expansion feeds B + Σ L_i rows
-        (at their mean)."""
-        B = len(pmfs)
-        rows = B if method == "multi-query" else round(B + sum(mean_length(p) for p in pmfs))
-        decode = self.scorer_costs(B, 1)
-        return sum(p * (self.scorer_costs(rows, m + 1) - decode) * self._verify_factor(m + 1)
-                   for m, p in enumerate(longest_pmf(pmfs)) if m and p)
 
     def _rpc(self) -> float:
         """One call's time around the forward (the proposer's is taken to be the scorer's)."""
         return max(self.rpc_s.value, 0.0)
-
-    def _drafted(self, pmfs: list[list[float]], behind: list[int]) -> tuple[float, float]:
-        """The draft table's seconds for the step's forwards: (steady, catch-up). Forward s
-        (s >= 1) runs while any row is still drafting (P(L_i > s)), over the rows that
-        are (their expected count, given that it runs); the first reads what each row
-        missed (padded to the longest), of which up to 2 tokens (the bonus token, and the
-        last proposal when all were accepted) are the steady state and the rest is
-        catch-up."""
-        drafting = [i for i, p in enumerate(pmfs) if len(p) > 1]
-        width = max((behind[i] for i in drafting), default=1)
-        steady = 0.0
-        for s in range(1, max(len(p) for p in pmfs) - 1):
-            stay = [longer_than(pmfs[i], s) for i in drafting]
-            runs = 1.0 - _product(1.0 - q for q in stay)
-            if runs > 0:
-                steady += runs * self.draft_costs(max(1.0, sum(stay) / runs), 1)
-        first = self.draft_costs(len(drafting), min(width, 2))
-        return steady + first, max(self.draft_costs(len(drafting), width) - first, 0.0)
 
     def _verify_factor(self, width: int) -> float:
         """The learned factor of the nearest verify width measured (the host's speed
@@ -392,7 +364,8 @@ class SpeculationPolicy:
             if self.draft_model:
                 # Priced as drafted: an early stop ran fewer forwards than the plan expected.
                 pmfs = [point_pmf(n) if k else [1.0] for n, k in zip(lens, plan.ks)]
-                steady, catch_up = self._drafted(pmfs, plan.behind or [1] * len(lens))
+                steady, catch_up = draft_seconds(self.draft_costs, pmfs,
+                                                 plan.behind or [1] * len(lens))
                 if any(lens):
                     self._learn_draft(propose_s - self._rpc(), steady, catch_up)
             else:
@@ -440,13 +413,6 @@ def _factor(measured: float, predicted: float) -> float:
     if predicted <= 0:
         return 1.0
     return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-
-
-def _product(xs) -> float:
-    out = 1.0
-    for x in xs:
-        out *= x
-    return out
 
 
 def _rate(plan: Plan) -> float:
