@@ -67,8 +67,9 @@ NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_mat
 # Why a sequence got its k. k > 0: speculate (the costs say it pays), explore (measuring
 # them), fixed (--speculation fixed). k = 0: capped (a prompt step, a request's own 0, or
 # its last token), low_acceptance, no_match (an n-gram finding nothing), verify_too_dear
-# (even full acceptance would not pay), no_budget (an exploration was due but would cost
-# more than its budget), exploration_pending (the tables say no, unchecked yet).
+# (even full acceptance would not pay); on tables no speculative step has checked yet,
+# exploration_pending (one is to come) or no_budget (it was due but would cost more than
+# its budget).
 REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
            "verify_too_dear", "no_budget", "exploration_pending")
 
@@ -162,8 +163,9 @@ class SpeculationPolicy:
         prior = self.all.alpha(0.5, 0.0)
         est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
         widest = self.scorer_costs.max_width - 1  # price only measured verify widths
-        trusted = [max(0, min(cap, a.trusted_k(), c.remaining - 1, widest))
-                   for cap, a, c in zip(caps, est, candidates)]
+        hard = [max(0, min(cap, c.remaining - 1, widest)) for cap, c in zip(caps, candidates)]
+        risk = self._risks(max(hard, default=0))
+        trusted = [_trusted(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)
@@ -187,20 +189,21 @@ class SpeculationPolicy:
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
         chosen.speedup = _rate(chosen) / _rate(plain)
         chosen.best_speedup = _rate(best_spec) / _rate(plain) if best_spec else 1.0
-        chosen.reasons = self._reasons(chosen, trusted, rates, sure, over_budget)
+        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget)
         if any(chosen.ks) and not chosen.explore:  # others' acceptance is evidence
-            for a, k, cap in zip(est, chosen.ks, trusted):
+            for a, k, cap in zip(est, chosen.ks, hard):
                 if cap and not k:
                     a.explore_after = min(a.explore_after, EXPLORE_FIRST)
         return chosen
 
-    def _search(self, caps: list[int], alphas: list[float], rates: list[float],
+    def _search(self, limits: list[list[int]], alphas: list[float], rates: list[float],
                 evaluate) -> Plan | None:
-        """The best plan with every sequence at K (or its cap), K = 1 .. the largest cap,
-        each also with the 1, 2, 4, ... sequences least likely to gain left out."""
+        """The best plan with every sequence at K (or the most it may speculate up to K:
+        limits[i][K]), K = 1 .. the largest cap, each also with the 1, 2, 4, ... sequences
+        least likely to gain left out."""
         best = None
-        for K in range(1, max(caps, default=0) + 1):
-            ks = [min(K, cap) for cap in caps]
+        for K in range(1, max(len(lim) for lim in limits)):
+            ks = [lim[min(K, len(lim) - 1)] for lim in limits]
             plan = evaluate(ks)
             spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i] * rates[i])
             drop = 1
@@ -217,8 +220,10 @@ class SpeculationPolicy:
     def _reasons(self, plan: Plan, caps: list[int], rates: list[float], sure: float,
                  over_budget: bool) -> list[str]:
         """Why each sequence got its k (REASONS)."""
-        plain_why = ("no_budget" if over_budget else "exploration_pending" if not self.checked
-                     else "verify_too_dear" if sure <= GAIN_MARGIN else "")
+        if not self.checked:  # the tables say no; an exploration is to check them
+            plain_why = "no_budget" if over_budget else "exploration_pending"
+        else:
+            plain_why = "verify_too_dear" if sure <= GAIN_MARGIN else ""
         out = []
         for k, cap, r in zip(plan.ks, caps, rates):
             if k:
@@ -307,6 +312,21 @@ class SpeculationPolicy:
                  for m in methods}
         plan.scoring = min(methods, key=lambda m: extra[m])
         plan.seconds = max(seconds + extra[plan.scoring], 1e-6)
+
+    def _risks(self, k_max: int) -> list[float]:
+        """[k_max + 1]: seconds one sequence's step at k costs beyond plain decoding were
+        nothing accepted (its draft's steady forwards and the wider verify)."""
+        risk = [0.0]
+        for k in range(1, k_max + 1):
+            pmf = [point_pmf(k)]
+            if self.draft_model:
+                drafting = self._rpc() + self.draft_factor.value * draft_seconds(
+                    self.draft_costs, pmf, [1])[0]
+            else:
+                drafting = self.ngram_s.value
+            risk.append(drafting + verify_extra(self.scorer_costs, "multi-query", pmf,
+                                                self._verify_factor))
+        return risk
 
     def _rpc(self) -> float:
         """One call's time around the forward (the proposer's is taken to be the scorer's)."""
@@ -413,6 +433,21 @@ def _factor(measured: float, predicted: float) -> float:
     if predicted <= 0:
         return 1.0
     return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+
+
+def _trusted(own: int, cap: int, risk: list[float]) -> list[int]:
+    """[cap + 1]: the most a sequence may speculate up to each k. On its own evidence it may
+    speculate `own` (Acceptance.trusted_k); beyond that, any k whose step risks no more
+    than those do were nothing accepted (risk[k]): where a wider verify is cheaper (fp32 on
+    CPU: 8 tokens measured 2.0 decodes, 3 tokens 3.6), a fresh sequence is not held to
+    the dear widths."""
+    budget = max(risk[:min(own, cap) + 1])
+    out, best = [], 0
+    for k in range(cap + 1):
+        if k <= own or risk[k] <= budget:
+            best = k
+        out.append(best)
+    return out
 
 
 def _rate(plan: Plan) -> float:
