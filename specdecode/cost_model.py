@@ -32,6 +32,7 @@ from specdecode.model_runner import ForwardStats, ModelRunner, RunnerRow
 CALIBRATION_ROWS = (1, 4)
 CALIBRATION_WIDTH = 9  # widest verify timed at start-up: the default max k (8) + 1
 CALIBRATION_CONTEXT = 32  # cached tokens per row while timing (a short, warm context)
+CELL_MIN_S, MAX_REPEATS = 0.05, 16  # a cell is timed until this long, at most this often
 LIVE_WEIGHT = 0.2  # weight of one live forward in a grid cell's running estimate
 DRIFT = 1.3  # a live forward this far off its cell (either way) ...
 DRIFT_RUN = 3  # ... this many times in a row: the table is stale, re-measure it
@@ -148,8 +149,11 @@ class ForwardCosts:
 
 class Calibration:
     """Times runner.forward one cell (rows x query tokens) at a time on a warm cache of
-    `context` tokens per row: the fastest of `repeats` after one untimed warm-up (other
-    processes only ever add time). Uses cache ids below zero (never a real sequence's);
+    `context` tokens per row: the fastest of at least `repeats` after one untimed warm-up
+    (other processes only ever add time), repeated until CELL_MIN_S was spent (at most
+    MAX_REPEATS times): a millisecond forward preempted by another process's time slice
+    measured 20-70x its time, and the fastest of two is not robust to that on a busy
+    host. Uses cache ids below zero (never a real sequence's);
     calibration is not traffic: the runner's counters and forward hook do not see it.
     close() releases the ids."""
 
@@ -170,14 +174,26 @@ class Calibration:
             batch = [RunnerRow(c, p + [self.rng.randrange(runner.vocab_size) for _ in range(tokens)],
                                tokens) for c, p in zip(self.ids[:rows], self.prefixes[:rows])]
             runner.forward(batch)  # warm-up: fills the cache, allocations, kernel selection
-            times = []
-            for _ in range(self.repeats):
+            times: list[float] = []
+            while len(times) < self.repeats or (sum(times) < CELL_MIN_S
+                                                and len(times) < MAX_REPEATS):
                 start = time.perf_counter()
                 runner.forward(batch)
                 times.append(time.perf_counter() - start)
             return min(times)
         finally:
             runner.on_forward, runner.stats = hook, counters
+
+    def warm_up(self, rows: int, tokens: int) -> None:
+        """A process's first forwards pay for thread pools, allocations and kernel choices
+        (a tiny model's first decode cell read 270 ms against 0.5 ms): time the smallest
+        cell twice and the largest once, untimed, before the table is timed."""
+        saved, self.repeats = self.repeats, 1
+        try:
+            for r, q in ((1, 1), (1, 1), (rows, tokens)):
+                self.cell(r, q)
+        finally:
+            self.repeats = saved
 
     def close(self) -> None:
         self.runner.release(self.ids)
@@ -189,6 +205,7 @@ def calibrate(runner: ModelRunner, rows: tuple[int, ...] = CALIBRATION_ROWS,
     """Time runner.forward for every (rows, tokens) cell (Calibration)."""
     session = Calibration(runner, max(rows), max(tokens), context, repeats)
     try:
+        session.warm_up(max(rows), max(tokens))
         table = [[session.cell(r, q) for q in tokens] for r in rows]
     finally:
         session.close()

@@ -198,7 +198,8 @@ class SpecDecodeEngine:
         # their times are not learned.
         if (ran or not k) and not prefill:
             self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
-                                     stats.score_s, stats.total_s)
+                                     stats.score_s, stats.total_s,
+                                     {role: s.busy_s for role, s in stats.services.items()})
         self.last_step = stats
         return outputs
 

@@ -131,6 +131,7 @@ class SpeculationPolicy:
         (RPC, and the table's error); factors per verify width (on the cost beyond a
         decode) and on the draft's forwards; the host's speed they assume."""
         self.rpc_s = Learned(0.0)
+        self.propose_rpc_s = Learned(0.0)  # a proposer call beyond the time it reports
         self.verify_factor: dict[int, Learned] = {}
         self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
         self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
@@ -301,7 +302,7 @@ class SpeculationPolicy:
             steady, catch_up = draft_seconds(self.draft_costs, pmfs, plan.behind)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
-            seconds += self._rpc() + self.draft_factor.value * steady
+            seconds += self._propose_rpc() + self.draft_factor.value * steady
             if catch_up:
                 plan.horizon = _horizon(plan, candidates)
                 seconds += plan.catch_up_s / plan.horizon
@@ -320,7 +321,7 @@ class SpeculationPolicy:
         for k in range(1, k_max + 1):
             pmf = [point_pmf(k)]
             if self.draft_model:
-                drafting = self._rpc() + self.draft_factor.value * draft_seconds(
+                drafting = self._propose_rpc() + self.draft_factor.value * draft_seconds(
                     self.draft_costs, pmf, [1])[0]
             else:
                 drafting = self.ngram_s.value
@@ -328,9 +329,10 @@ class SpeculationPolicy:
                                                 self._verify_factor))
         return risk
 
-    def _rpc(self) -> float:
-        """One call's time around the forward (the proposer's is taken to be the scorer's)."""
-        return max(self.rpc_s.value, 0.0)
+    def _propose_rpc(self) -> float:
+        """A proposer call's time around its forwards: measured where the service reports
+        its own time, else taken to be the scorer's."""
+        return max(self.propose_rpc_s.value if self.propose_rpc_s.n else self.rpc_s.value, 0.0)
 
     def _verify_factor(self, width: int) -> float:
         """The learned factor of the nearest verify width measured (the host's speed
@@ -363,12 +365,16 @@ class SpeculationPolicy:
         self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
 
     def observe_step(self, plan: Plan, lens: list[int], propose_s: float, score_s: float,
-                     total_s: float) -> None:
+                     total_s: float, busy: dict[str, float] | None = None) -> None:
         """Learn from a step's measured times: the time around the calls (RPCs, sampling,
         bookkeeping) on plain steps, the factor by which the tables were off on speculative
-        ones. lens: the proposal lengths actually scored."""
+        ones. lens: the proposal lengths actually scored; busy: role -> the seconds the
+        remote service reported working on the step's calls (0 or absent in-process)."""
         if not (self.adaptive and self.measure_overheads and plan.ks):
             return
+        busy = busy or {}
+        if busy.get("scorer", 0.0) > 0 and self.rpc_s.n == 0:  # no plain step measured yet
+            self.rpc_s.add(score_s - busy["scorer"])
         self.step_s.add(max(total_s - propose_s - score_s, 0.0))
         width = max(lens, default=0) + 1
         decode = self.scorer_costs(len(lens), 1)
@@ -387,7 +393,9 @@ class SpeculationPolicy:
                 steady, catch_up = draft_seconds(self.draft_costs, pmfs,
                                                  plan.behind or [1] * len(lens))
                 if any(lens):
-                    self._learn_draft(propose_s - self._rpc(), steady, catch_up)
+                    if busy.get("proposer", 0.0) > 0:
+                        self.propose_rpc_s.add(propose_s - busy["proposer"])
+                    self._learn_draft(propose_s - self._propose_rpc(), steady, catch_up)
             else:
                 self.ngram_s.add(propose_s)
 
