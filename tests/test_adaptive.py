@@ -9,7 +9,8 @@ import torch
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.engine.request import Request
-from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
+from orchestrator.engine.speculation_policy import (REASONS, Candidate, SpeculationPolicy,
+                                                    expected_tokens)
 from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
 from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
@@ -508,8 +509,11 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
         assert info.scoring_method == "auto"
         body = urllib.request.urlopen(
             f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
-        count = float(re.search(r"^specdecode_chosen_k_count(?:\{[^}]*\})? (\S+)$", body,
-                                    re.M).group(1))  # labels: model_name
+        counts = {m[1]: float(m[2]) for m in re.finditer(
+            r'^specdecode_chosen_k_count\{[^}]*reason="(\w*)"[^}]*\} (\S+)$', body, re.M)}
+        count = sum(counts.values())  # labels: model_name, reason
+        assert counts["capped"] >= len(PROMPTS) and set(counts) <= set(REASONS)  # prompt steps
+        assert re.search(r"^specdecode_predicted_speedup_count(?:\{[^}]*\})? [1-9]", body, re.M)
         assert count >= len(PROMPTS) * 2  # one per sequence-step, prompt steps included
 
 

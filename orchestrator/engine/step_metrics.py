@@ -19,7 +19,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.engine.step_stats import StepStats
 from orchestrator.engine.spec_metrics import AcceptanceTotals, AsyncMetricsCollector
-from orchestrator.engine.speculation_policy import REASONS
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +45,9 @@ NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per st
                         "longest any sequence speculated.")
 CHOSEN_K = Histogram("specdecode_chosen_k", "Speculation length chosen per sequence and step "
                      "(0 = plain decoding); the adaptive policy picks it from acceptance and "
-                     "measured costs.", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
-K_REASON = Counter("specdecode_chosen_k_reason", "Sequence-steps by why the policy chose "
-                   "their k: speculate, explore, fixed (k > 0); capped, low_acceptance, "
-                   "no_match, verify_too_dear, no_budget, exploration_pending (k = 0).",
-                   ["reason"])
-for _reason in REASONS:
-    K_REASON.labels(_reason)
+                     "measured costs. reason: why (speculate, explore, fixed for k > 0; capped, "
+                     "low_acceptance, no_match, verify_too_dear, no_budget, exploration_pending "
+                     "for k = 0).", ["reason"], buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 PREDICTED_SPEEDUP = Histogram("specdecode_predicted_speedup", "Per step, the policy's predicted "
                               "tokens/s of the chosen k over plain decoding's (1: plain).",
                               buckets=(0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0))
@@ -115,10 +110,8 @@ class StepMetrics:
             if count:
                 ACCEPTED_AT.labels(str(position)).inc(count)
         NUM_SPEC_TOKENS.set(step.k)
-        for k in step.chosen_k:
-            CHOSEN_K.observe(k)
-        for reason in step.k_reasons:
-            K_REASON.labels(reason).inc()
+        for k, reason in zip(step.chosen_k, step.k_reasons or [""] * len(step.chosen_k)):
+            CHOSEN_K.labels(reason).observe(k)
         PREDICTED_SPEEDUP.observe(step.predicted_speedup)
         BATCH.observe(step.batch_size)
         STEP_SECONDS.observe(step.total_s)

@@ -42,31 +42,32 @@ CHOSEN_K_BUCKETS = (0, 1, 2, 3, 4)
 WITHIN_S = 60.0
 
 
-def chosen_k(port: int) -> Counter:
-    """How many sequence-steps chose each k (the orchestrator's histogram buckets)."""
+def chosen_k(port: int) -> tuple[Counter, Counter]:
+    """How many sequence-steps chose each k, and each reason (the orchestrator's
+    specdecode_chosen_k buckets, labelled by reason)."""
     metrics = scrape_metrics(port)
-    cumulative = [metrics[f'specdecode_chosen_k_bucket{{le="{float(k)}"}}'] for k in CHOSEN_K_BUCKETS]
-    return Counter({k: c - (cumulative[i - 1] if i else 0)
-                    for i, (k, c) in enumerate(zip(CHOSEN_K_BUCKETS, cumulative))})
-
-
-def reasons(port: int) -> Counter:
-    metrics = scrape_metrics(port)
-    return Counter({r: metrics[f'specdecode_chosen_k_reason_total{{reason="{r}"}}']
-                    for r in REASONS})
+    ks, why = Counter(), Counter()
+    for reason in REASONS:
+        series = f'specdecode_chosen_k_bucket{{reason="{reason}",le="%s"}}'
+        cumulative = [metrics.get(series % float(k), 0.0) for k in CHOSEN_K_BUCKETS]
+        for i, (k, c) in enumerate(zip(CHOSEN_K_BUCKETS, cumulative)):
+            ks[k] += c - (cumulative[i - 1] if i else 0.0)
+        why[reason] = metrics.get(series % "+Inf", 0.0)
+    return ks, why
 
 
 def decode_steps(stack: LocalStack) -> tuple[Counter, Counter]:
     """Run the prompts one after the other: the chosen k of their decode steps (the prompt
     steps, k = 0 by construction, left out), and the reasons of all their steps."""
     port = stack.metrics_ports["orchestrator"]
-    before, why = chosen_k(port), reasons(port)
+    ks, why = chosen_k(port)
     with SpecDecodeClient(stack.address) as client:
         for p in PROMPTS:
             assert len(client.generate(p, max_tokens=MAX_TOKENS).token_ids) == MAX_TOKENS
-    counts = chosen_k(port) - before
+    ks_after, why_after = chosen_k(port)
+    counts = ks_after - ks
     counts[0] -= len(PROMPTS)
-    return +counts, reasons(port) - why
+    return +counts, +(why_after - why)
 
 
 def scorer_table(stack: LocalStack):

@@ -225,3 +225,25 @@ def test_every_k_has_a_reason():
     fixed = SpeculationPolicy(4, adaptive=False).plan([Candidate(1, 4), Candidate(2, 0)])
     assert fixed.reasons == ["fixed", "capped"]
     assert set(REASONS) >= {"speculate", "explore", "no_budget"}
+
+
+def test_the_step_carries_the_reasons_and_the_predicted_speedup():
+    """On the step's statistics, so on its span and in /metrics (orchestrator.engine.step_metrics:
+    specdecode_chosen_k's reason label, specdecode_predicted_speedup)."""
+    from bench.tiny_models import TinyModelSpec, build_tiny_model
+    from orchestrator.engine.request import Request
+    from specdecode.sequence import SamplingParams
+    from specdecode_stack.inprocess import build_inprocess_engine
+
+    engine = build_inprocess_engine(build_tiny_model(TinyModelSpec(seed=1)), "ngram",
+                                    "multi-query", 4, adaptive=True)
+    engine.add_request(Request("a", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=4)))
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.last_step.span_attributes())
+    assert seen[0]["specdecode.k_reasons"] == ["capped"]  # the prompt step
+    for attrs in seen:
+        assert len(attrs["specdecode.k_reasons"]) == 1 and set(attrs["specdecode.k_reasons"]) <= set(REASONS)
+        assert attrs["specdecode.predicted_speedup"] > 0
+        assert "specdecode.best_speculative_speedup" in attrs
