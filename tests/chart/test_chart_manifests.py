@@ -29,9 +29,9 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
     "proposer": {"--model", "--device", "--dtype", "--host", "--port", "--metrics-port", "--grace-seconds",
-                 "--max-message-mb"},
+                 "--max-message-mb", "--calibration-width"},
     "scorer": {"--model", "--device", "--dtype", "--scoring", "--host", "--port", "--metrics-port",
-               "--grace-seconds", "--max-message-mb"},
+               "--grace-seconds", "--max-message-mb", "--calibration-width"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
@@ -163,6 +163,8 @@ def test_values_reach_the_flags(helm):
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
     assert args_map(server(docs, "scorer"))["--scoring"] == "multi-query"
+    for component in ("proposer", "scorer"):  # their cost tables time every verify width
+        assert args_map(server(docs, component))["--calibration-width"] == "8"
     for component in COMPONENTS:
         flags = args_map(server(docs, component))
         assert flags["--max-message-mb"] == "128" and flags["--host"] == "::"
