@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 IDLE_S = 2.0  # no call for this long: the service is idle
 PROBE_S = 10.0  # while idle, a probe decode this often
-MAX_ROWS = 8  # row counts in a table at most (1, the largest seen, and the most recent)
+MAX_ROWS = 8  # row counts in a table at most (merged_rows)
+PROBE_CONTEXT = 8  # cached tokens of a probe decode (it refills them each time)
 
 
 def merged_rows(table: list[int], seen: set[int]) -> list[int]:
@@ -58,7 +59,6 @@ class Recalibrator:
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
         self.next_probe = time.monotonic() + probe_s
-        self.probe = Calibration(runner, 1, 1)  # kept: a probe reads a cached context
 
     def start(self) -> None:
         """Run in the background on the running event loop (until it stops)."""
@@ -84,7 +84,11 @@ class Recalibrator:
     async def _probe_off(self) -> bool:
         """A probe decode; True when two in a row were off the table's by DRIFT (the
         second follows the first at once)."""
-        seconds = await self.model.run(self.probe.cell, 1, 1, traffic=False)
+        probe = Calibration(self.runner, 1, 1, context=PROBE_CONTEXT)
+        try:
+            seconds = await self.model.run(probe.cell, 1, 1, traffic=False)
+        finally:
+            probe.close()  # nothing of it stays in the cache
         table = self.costs(1, 1)
         self.off = self.off + 1 if seconds > DRIFT * table or seconds * DRIFT < table else 0
         self.next_probe = time.monotonic() + (0.0 if self.off == 1 else self.probe_s)
