@@ -225,15 +225,16 @@ def attach_live_costs(runner: ModelRunner, costs: ForwardCosts) -> None:
 
 def verify_seconds(costs: ForwardCosts, method: str, lens: list[int]) -> float:
     """Predicted target forward for one scoring call: lens[i] proposal tokens of sequence i
-    (0 = scored non-speculatively). Rows are padded to the longest row's new tokens.
-    multi-query: B rows of max(lens)+1 tokens; batch-expansion: sum(lens[i]+1) rows of
-    max(lens)+1 tokens (vLLM 0.4.2's expansion: each speculating sequence becomes n+1 rows,
-    row j feeding the last accepted token and j proposals)."""
+    (0 = scored non-speculatively). multi-query: B rows, row i fed its own lens[i]+1 tokens
+    (packed, not padded: the table at B rows and their mean width); batch-expansion:
+    sum(lens[i]+1) rows padded to max(lens)+1 tokens (vLLM 0.4.2's expansion: each
+    speculating sequence becomes n+1 rows, row j feeding the last accepted token and j
+    proposals)."""
     if not lens:
         return 0.0
     width = max(lens) + 1
     if method == "multi-query":
-        return costs(len(lens), width)
+        return costs(len(lens), 1 + sum(lens) / len(lens))
     if method == "batch-expansion":
         return costs(sum(n + 1 for n in lens), width)
     raise ValueError(f"scoring method: {method!r} is neither multi-query nor batch-expansion")

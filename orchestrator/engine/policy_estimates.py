@@ -80,17 +80,43 @@ def mean_length(pmf: list[float]) -> float:
     return sum(j * p for j, p in enumerate(pmf))
 
 
+def total_pmf(pmfs: list[list[float]]) -> list[float]:
+    """P(Σ_i L_i = t): the proposal tokens a batch verifies."""
+    out = [1.0]
+    for p in pmfs:
+        nxt = [0.0] * (len(out) + len(p) - 1)
+        for t, a in enumerate(out):
+            for n, b in enumerate(p):
+                nxt[t + n] += a * b
+        out = nxt
+    return out
+
+
 def verify_extra(costs: ForwardCosts, method: str, pmfs: list[list[float]],
                  factor: Callable[[int], float]) -> float:
-    """Expected seconds of a step's verify beyond a decode, pmfs[i] the distribution of row
-    i's proposal length: over the longest proposal M's distribution, the table's
-    V(rows, M + 1) - V(B, 1) times factor(M + 1) (what was measured at that width; M = 0:
-    the call is a decode). Batch expansion feeds B + Σ L_i rows (at their mean)."""
+    """Expected seconds of a step's verify beyond a decode (V(B, 1)), pmfs[i] the
+    distribution of row i's proposal length, each width w's cost times factor(w) (what was
+    measured there). Priced as it runs: multi-query feeds every row its own L_i + 1 query
+    tokens (packed, not padded), so a forward of B rows and Σ(L_i + 1) tokens costs the
+    table at B rows and their mean width; batch expansion feeds B + Σ L_i rows (at their
+    mean), each padded to the longest proposal M + 1. Nothing proposed: the call is a
+    decode."""
     B = len(pmfs)
-    rows = B if method == "multi-query" else round(B + sum(mean_length(p) for p in pmfs))
     decode = costs(B, 1)
+    if method == "multi-query":
+        return sum(p * (costs(B, 1 + t / B) - decode) * factor(round(1 + t / B))
+                   for t, p in enumerate(total_pmf(pmfs)) if t and p)
+    rows = round(B + sum(mean_length(p) for p in pmfs))
     return sum(p * (costs(rows, m + 1) - decode) * factor(m + 1)
                for m, p in enumerate(longest_pmf(pmfs)) if m and p)
+
+
+def verify_width(method: str, lens: list[int]) -> int:
+    """The width a scoring call of proposal lengths `lens` is priced at (verify_extra): the
+    mean for multi-query, the longest for batch expansion (1: nothing proposed)."""
+    if not any(lens):
+        return 1
+    return round(1 + sum(lens) / len(lens)) if method == "multi-query" else max(lens) + 1
 
 
 def draft_seconds(costs: ForwardCosts, pmfs: list[list[float]],

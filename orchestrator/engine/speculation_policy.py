@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
                                                   draft_seconds, expected_tokens, length_pmf,
-                                                  point_pmf, verify_extra)
+                                                  point_pmf, verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
 
 __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]
@@ -376,7 +376,7 @@ class SpeculationPolicy:
         if busy.get("scorer", 0.0) > 0 and self.rpc_s.n == 0:  # no plain step measured yet
             self.rpc_s.add(score_s - busy["scorer"])
         self.step_s.add(max(total_s - propose_s - score_s, 0.0))
-        width = max(lens, default=0) + 1
+        width = verify_width(plan.scoring or "multi-query", lens)
         decode = self.scorer_costs(len(lens), 1)
         if width == 1:  # a decode (n-gram may have found nothing): the RPC, and the table's error
             self.rpc_s.add(score_s - decode)
