@@ -32,12 +32,14 @@ k=0 path's whole output, past any end token too.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import json
 import math
 import os
 import statistics
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -184,6 +186,19 @@ def paired(stack: LocalStack, prompts: list[list[int]], max_tokens: int, repeats
                 record(k, j, stack_generate(stack, [p], max_tokens, k, 1)[0][0])
 
 
+@contextlib.contextmanager
+def busy_loops():
+    """One busy Python loop per core while the body runs (another program's load)."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
 def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
     """(target dir, draft dir, text -> prompt ids) of the Qwen pair, or of tiny random test
     models (a smoke test of a script: prompts as byte ids)."""
@@ -229,14 +244,17 @@ def pair_dirs(pair: str) -> tuple[Path, Path, Callable[[str], list[int]]]:
               help="Where the JSON (and the JSON lines of each run) go.")
 @click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
               help="tiny: random test models, to check this script in seconds.")
+@click.option("--busy-wait", default=60.0, show_default=True,
+              help="busy: seconds the stack started under load is left alone before it runs.")
 @click.option("--parts", default="ref,hf,defaults,streams,pruned,fixed,ngram", show_default=True,
               help="ref: HF target-only (the reference for tokens/s and equality); hf: HF "
                    "assisted and prompt lookup; defaults: the stack at its defaults and at "
                    "k=0; streams: 4 concurrent streams; pruned: defaults with the other draft "
                    "head (--draft-vocab); fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
-                   "and at k=0.")
+                   "and at k=0; busy: the defaults on a stack started while busy loops held "
+                   "every core, run --busy-wait seconds after the load ended.")
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
-         ngram_k_max, parts, results, pair) -> None:
+         ngram_k_max, busy_wait, parts, results, pair) -> None:
     parts = set(parts.split(","))
     ngram_k_max = [int(x) for x in ngram_k_max.split(",")]
     per_class = 1 if quick else 2
@@ -310,13 +328,23 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
             return LocalStack(StackConfig(target_model=str(target_dir), tokenizer="none",
                                           device="cpu", dtype=dtype, port=0, **kw))
         draft_path = str(draft_dir)
-        if "defaults" in parts:
+        if parts & {"defaults", "streams"}:
             with stack(draft_model=draft_path) as s:  # adaptive k, auto scoring
-                add_paired("stack defaults", "stack k=0", s, None, 0)
+                if "defaults" in parts:
+                    add_paired("stack defaults", "stack k=0", s, None, 0)
                 if "streams" in parts:
                     for label, k in (("stack defaults", None), ("stack k=0", 0)):
                         outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
                         add(label, outs, chosen, wall, streams=len(prompts))
+        if "busy" in parts:  # started while busy loops hold every core, then left alone
+            s = stack(draft_model=draft_path)
+            with busy_loops():
+                s.start()
+            with s:
+                console.print(f"load ended; left alone for {busy_wait:.0f} s", highlight=False)
+                time.sleep(busy_wait)
+                outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)
+                add(f"stack defaults, started under load, {busy_wait:.0f} s after", outs, chosen)
         if "pruned" in parts:
             with stack(draft_model=draft_path, draft_vocab_size=draft_vocab) as s:
                 outs, _, chosen = stack_generate(s, prompts, max_tokens, None, 1)

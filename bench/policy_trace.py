@@ -47,7 +47,8 @@ def show_table(name: str, costs) -> None:
 def factors(p: SpeculationPolicy) -> str:
     verify = ",".join(f"{w}:{f.value:.2f}" for w, f in sorted(p.verify_factor.items()))
     return (f"draft x{p.draft_factor.value:.2f} catch-up x{p.catch_up_factor.value:.2f} "
-            f"verify[{verify}] rpc {p.rpc_s.value * 1e3:.0f}ms step {p.step_s.value * 1e3:.0f}ms")
+            f"verify[{verify}] host x{p.host:.2f} rpc {p.rpc_s.value * 1e3:.0f}ms "
+            f"propose-rpc {p.propose_rpc_s.value * 1e3:.0f}ms step {p.step_s.value * 1e3:.0f}ms")
 
 
 @click.command()
@@ -96,7 +97,8 @@ def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
                     st = engine.last_step
                     total += st.total_s
                     tokens += sum(len(o.new_token_ids) for o in outs)
-                    line = (f"{step:3d} k={st.chosen_k} {'EXPLORE ' if st.explore else ''}"
+                    line = (f"{step:3d} k={st.chosen_k} {','.join(st.k_reasons)} "
+                            f"x{st.predicted_speedup:.2f} (best x{st.best_speculative_speedup:.2f}) "
                             f"behind={list(behind.values())} new={st.new_tokens} "
                             f"acc={st.accepted_tokens}/{st.draft_tokens} "
                             f"meas p/s/t={st.propose_s:.3f}/{st.score_s:.3f}/{st.total_s:.3f}")

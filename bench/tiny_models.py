@@ -26,6 +26,10 @@ class TinyModelSpec:
     # Larger than the usual 0.02 so logits are well separated: greedy argmax is then not
     # decided by float rounding differences between batched and unbatched kernels.
     initializer_range: float = 0.3
+    # False: attention's output is zeroed, so a position's logits depend on its own token
+    # only; greedy decoding then follows a fixed map and soon cycles, which an n-gram
+    # proposer predicts exactly (every proposal accepted).
+    attention: bool = True
 
 
 def build_tiny_model(spec: TinyModelSpec = TinyModelSpec()) -> LlamaForCausalLM:
@@ -37,7 +41,12 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec()) -> LlamaForCausalLM:
         initializer_range=spec.initializer_range, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    if not spec.attention:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+    return model
 
 
 def byte_tokenizer():

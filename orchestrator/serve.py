@@ -52,6 +52,10 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
         max_model_len=serving_max_model_len(p_info, s_info), trace_every=config.trace_every,
         max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap,
         grammars=None if isinstance(compiler, str) else Grammars(compiler))
+    if engine.policy.adaptive:  # the services' re-measured tables replace the start-up ones
+        from orchestrator.cluster.cost_refresh import CostRefresh
+        parts["refresh"] = CostRefresh.started(engine.policy, {"proposer": (proposer, p_info),
+                                                               "scorer": (scorer, s_info)})
     log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
     parts["loop"] = loop = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                       max_running=admission.max_running)
@@ -132,6 +136,8 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
                              after_serving=follow_scorer, on_drain=cancel_before_grace_ends,
                              companions=companions)
     finally:
+        if "refresh" in parts:
+            parts["refresh"].close()
         if "loop" in parts:
             parts["loop"].stop()
         for service in parts.get("services", ()):

@@ -10,6 +10,7 @@ from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
+from specdecode.recalibration import Recalibrator
 from specdecode.server import ServerOptions, serve_deferred
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 
@@ -20,15 +21,24 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
                          draft_vocab_size: int = 0,
                          limits: ServiceLimits = ServiceLimits(),
                          draft_confidence: float = 0.0) -> None:
+    servicer = ProposerServicer(limits)
+    recalibrator: list[Recalibrator] = []
+
     def load():
         loaded = build_proposer(model, draft_vocab_size, draft_confidence)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
             export_runner_metrics(loaded.runner, "proposer")
             attach_live_costs(loaded.runner, loaded.info.forward_cost)
+            recalibrator.append(Recalibrator(loaded.runner, loaded.info.forward_cost,
+                                             servicer.model))
         export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}
-    servicer = ProposerServicer(limits)
+
+    def after_serving(_) -> None:
+        servicer.keep_leases()
+        for r in recalibrator:
+            r.start()
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
-                         servicer, load, after_serving=lambda _: servicer.keep_leases())
+                         servicer, load, after_serving=after_serving)

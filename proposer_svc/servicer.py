@@ -10,7 +10,7 @@ from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from specdecode import wire
-from specdecode.cost_model import calibrate
+from specdecode.cost_model import calibrate, calibration_widths
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM, ModelInfo
@@ -51,9 +51,11 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
     runner, fingerprint = load_runner(options)
     kept = prune_lm_head(runner.model, resolve_model_dir(options.model), draft_vocab_size)
     log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
+    costs = calibrate(runner, tokens=calibration_widths(options.calibration_width,
+                                                        catch_up=True))
     grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
-    info = model_info_for(runner, options, fingerprint, role="proposer",
-                          forward_cost=calibrate(runner), structured_output=grammars is not None)
+    info = model_info_for(runner, options, fingerprint, role="proposer", forward_cost=costs,
+                          structured_output=grammars is not None)
     worker = ModelWorker(runner, "draft", grammars)
     return LoadedProposer(DraftModelProposer(worker, draft_confidence), info, runner, grammars)
 

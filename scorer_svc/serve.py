@@ -10,6 +10,7 @@ from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.limits import ServiceLimits
 from specdecode.model_loading import ModelOptions
 from specdecode.model_metrics import export_runner_metrics
+from specdecode.recalibration import Recalibrator
 from specdecode.server import ServerOptions, serve_deferred
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
 
@@ -18,14 +19,21 @@ log = logging.getLogger(__name__)
 
 async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str,
                        limits: ServiceLimits = ServiceLimits()) -> None:
+    servicer = ScorerServicer(limits)
+    recalibrator: list[Recalibrator] = []
+
     def load():
         loaded = build_scorer(model, scoring)
         export_runner_metrics(loaded.runner, "scorer")
         attach_live_costs(loaded.runner, loaded.info.forward_cost)
         export_grammar_metrics(loaded.grammars, "scorer")
+        recalibrator.append(Recalibrator(loaded.runner, loaded.info.forward_cost, servicer.model))
         log.info("scorer ready: %s", loaded.info)
         return {"scorer": loaded.scorer, "info": loaded.info, "grammars": loaded.grammars}
-    servicer = ScorerServicer(limits)
+
+    def after_serving(_) -> None:
+        servicer.keep_leases()
+        recalibrator[0].start()
     await serve_deferred(options, scorer_service_pb2,
                          scorer_service_pb2_grpc.add_ScorerServiceServicer_to_server,
-                         servicer, load, after_serving=lambda _: servicer.keep_leases())
+                         servicer, load, after_serving=after_serving)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from scorer_svc.methods import SCORING_CHOICES, make_scorer
 from specdecode import wire
-from specdecode.cost_model import calibrate
+from specdecode.cost_model import calibrate, calibration_widths
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
 from specdecode.grammar.matcher import Grammars
@@ -34,7 +34,7 @@ def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
     if scoring not in SCORING_CHOICES:
         raise ValueError(f"scoring: must be one of {', '.join(SCORING_CHOICES)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
-    costs = calibrate(runner)
+    costs = calibrate(runner, tokens=calibration_widths(options.calibration_width))
     grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
     info = model_info_for(runner, options, fingerprint, role="scorer",
                           scoring_method=scoring, forward_cost=costs,

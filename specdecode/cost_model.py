@@ -2,10 +2,13 @@
 adaptive speculation).
 
 A `ForwardCosts` table holds the seconds of one forward pass for a grid of batch rows ×
-query tokens per row, measured at start-up through the runner's public `forward(rows)` on
-a warm KV cache, then refreshed from live forward timings (`observe`). Between grid points
-it interpolates linearly; beyond the last row count it scales the time per row. It answers
-every question the speculation policy asks:
+query tokens per row (the width), measured through the runner's public `forward(rows)` on a
+warm KV cache at every width the policy prices (1 .. max k + 1: a forward's time need not
+grow with its width, fp32 on CPU measured V(3) > V(8)), then refreshed from live forward
+timings (`observe`) and re-measured whole when they drift (specdecode.recalibration).
+Widths are never interpolated where they were measured; between row counts the time is
+linear, and beyond the last one it scales by rows. It answers every question the
+speculation policy asks:
 
     decode                       costs(B, 1)
     verify k+1 tokens (multi-query)   costs(B, k+1)
@@ -19,6 +22,7 @@ from __future__ import annotations
 import bisect
 import copy
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,9 +30,19 @@ from dataclasses import dataclass, field
 from specdecode.model_runner import ForwardStats, ModelRunner, RunnerRow
 
 CALIBRATION_ROWS = (1, 4)
-CALIBRATION_TOKENS = (1, 2, 3, 5, 9)
+CALIBRATION_WIDTH = 9  # widest verify timed at start-up: the default max k (8) + 1
 CALIBRATION_CONTEXT = 32  # cached tokens per row while timing (a short, warm context)
+CELL_MIN_S, MAX_REPEATS = 0.05, 16  # a cell is timed until this long, at most this often
 LIVE_WEIGHT = 0.2  # weight of one live forward in a grid cell's running estimate
+DRIFT = 1.3  # a live forward this far off its cell (either way) ...
+DRIFT_RUN = 3  # ... this many times in a row: the table is stale, re-measure it
+
+
+def calibration_widths(max_width: int, catch_up: bool = False) -> tuple[int, ...]:
+    """Every width 1..max_width; a draft also prices its catch-up (a forward reading every
+    token it missed), so its table adds 2x, 4x and 8x the widest."""
+    widths = tuple(range(1, max(max_width, 1) + 1))
+    return widths + tuple(m * max_width for m in (2, 4, 8)) if catch_up else widths
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -43,12 +57,17 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 @dataclass
 class ForwardCosts:
     """Seconds of one forward pass: seconds[i][j] for rows[i] rows of tokens[j] query
-    tokens each (both grids ascending)."""
+    tokens each (both grids ascending). version counts re-measurements (0: start-up)."""
 
     rows: list[int]
     tokens: list[int]
     seconds: list[list[float]]  # [len(rows)][len(tokens)]
+    version: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Live evidence that the table is stale: consecutive drifting forwards, row counts seen
+    # in traffic that the grid lacks.
+    _drifting: int = field(default=0, repr=False, compare=False)
+    rows_seen: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.rows or not self.tokens:
@@ -59,14 +78,12 @@ class ForwardCosts:
         self._monotone()
 
     def _monotone(self) -> None:
-        """More rows or more tokens never cost less: timing noise on a busy host must not
-        make the policy believe that a longer verify is cheaper than a shorter one."""
-        for i, line in enumerate(self.seconds):
-            for j in range(len(line)):
-                below = [line[j - 1]] if j else []
-                if i:
-                    below.append(self.seconds[i - 1][j])
-                line[j] = max([line[j], *below])
+        """More rows never cost less at the same width (timing noise on a busy host must
+        not make a larger batch look cheaper). Across widths nothing is assumed: on CPU a
+        wider forward can be faster than a narrower one (fp32: other kernels)."""
+        for i in range(1, len(self.seconds)):
+            self.seconds[i] = [max(s, below) for s, below in zip(self.seconds[i],
+                                                                 self.seconds[i - 1])]
 
     def __call__(self, rows: int, tokens: int) -> float:
         """Predicted seconds of a forward of `rows` rows with `tokens` query tokens each."""
@@ -77,14 +94,24 @@ class ForwardCosts:
             return max(by_rows[-1] * rows / self.rows[-1], 0.0)
         return max(_interp(self.rows, by_rows, rows), 1e-6)
 
+    @property
+    def max_width(self) -> int:
+        return self.tokens[-1]
+
     def observe(self, rows: int, tokens: int, seconds: float) -> bool:
-        """Fold a live forward timing into its grid cell (exact grid points only)."""
+        """Fold a live forward timing into its grid cell (exact grid points only); count
+        it as drift when it is off the cell by DRIFT either way."""
+        if tokens in self.tokens and rows not in self.rows:
+            self.rows_seen.add(rows)
         try:
             i, j = self.rows.index(rows), self.tokens.index(tokens)
         except ValueError:
             return False
         with self._lock:
-            self.seconds[i][j] += LIVE_WEIGHT * (seconds - self.seconds[i][j])
+            cell = self.seconds[i][j]
+            off = seconds > DRIFT * cell or seconds * DRIFT < cell
+            self._drifting = self._drifting + 1 if off else 0
+            self.seconds[i][j] += LIVE_WEIGHT * (seconds - cell)
             self._monotone()
         return True
 
@@ -94,44 +121,94 @@ class ForwardCosts:
         if f.cache_misses == 0 and f.batch_size and f.tokens_computed % f.batch_size == 0:
             self.observe(f.batch_size, f.tokens_computed // f.batch_size, f.seconds)
 
+    def stale(self) -> bool:
+        """Live forwards drifted off the table, or traffic runs row counts it lacks."""
+        return self._drifting >= DRIFT_RUN or bool(self.rows_seen)
+
+    def replace(self, measured: ForwardCosts | None) -> None:
+        """Take a re-measured table's grid (a new version; None: keep this one, the
+        re-measurement found it right); the live evidence restarts."""
+        with self._lock:
+            if measured is not None:
+                self.rows, self.tokens = list(measured.rows), list(measured.tokens)
+                self.seconds = [list(line) for line in measured.seconds]
+                self.version += 1
+            self._drifting = 0
+            self.rows_seen = set()
+
+    def ratio(self, other: ForwardCosts) -> float:
+        """The median over this table's cells of other's time / this one's."""
+        return statistics.median(other(r, t) / max(self(r, t), 1e-9)
+                                 for r in self.rows for t in self.tokens)
+
     def snapshot(self) -> ForwardCosts:
         with self._lock:
-            return ForwardCosts(list(self.rows), list(self.tokens), [list(r) for r in self.seconds])
+            return ForwardCosts(list(self.rows), list(self.tokens),
+                                [list(r) for r in self.seconds], self.version)
+
+
+class Calibration:
+    """Times runner.forward one cell (rows x query tokens) at a time on a warm cache of
+    `context` tokens per row: the fastest of at least `repeats` after one untimed warm-up
+    (other processes only ever add time), repeated until CELL_MIN_S was spent (at most
+    MAX_REPEATS times): a millisecond forward preempted by another process's time slice
+    measured 20-70x its time, and the fastest of two is not robust to that on a busy
+    host. Uses cache ids below zero (never a real sequence's);
+    calibration is not traffic: the runner's counters and forward hook do not see it.
+    close() releases the ids."""
+
+    def __init__(self, runner: ModelRunner, max_rows: int, max_tokens: int,
+                 context: int = CALIBRATION_CONTEXT, repeats: int = 2):
+        self.runner, self.repeats = runner, repeats
+        self.rng = random.Random(0)
+        context = max(1, min(context, runner.max_model_len - max_tokens - 1))
+        self.ids = [-1 - i for i in range(max_rows)]
+        self.prefixes = [[self.rng.randrange(runner.vocab_size) for _ in range(context)]
+                         for _ in self.ids]
+
+    def cell(self, rows: int, tokens: int) -> float:
+        """Seconds of one forward of `rows` rows with `tokens` new tokens each."""
+        runner = self.runner
+        hook, runner.on_forward, counters = runner.on_forward, None, copy.copy(runner.stats)
+        try:
+            batch = [RunnerRow(c, p + [self.rng.randrange(runner.vocab_size) for _ in range(tokens)],
+                               tokens) for c, p in zip(self.ids[:rows], self.prefixes[:rows])]
+            runner.forward(batch)  # warm-up: fills the cache, allocations, kernel selection
+            times: list[float] = []
+            while len(times) < self.repeats or (sum(times) < CELL_MIN_S
+                                                and len(times) < MAX_REPEATS):
+                start = time.perf_counter()
+                runner.forward(batch)
+                times.append(time.perf_counter() - start)
+            return min(times)
+        finally:
+            runner.on_forward, runner.stats = hook, counters
+
+    def warm_up(self, rows: int, tokens: int) -> None:
+        """A process's first forwards pay for thread pools, allocations and kernel choices
+        (a tiny model's first decode cell read 270 ms against 0.5 ms): time the smallest
+        cell twice and the largest once, untimed, before the table is timed."""
+        saved, self.repeats = self.repeats, 1
+        try:
+            for r, q in ((1, 1), (1, 1), (rows, tokens)):
+                self.cell(r, q)
+        finally:
+            self.repeats = saved
+
+    def close(self) -> None:
+        self.runner.release(self.ids)
 
 
 def calibrate(runner: ModelRunner, rows: tuple[int, ...] = CALIBRATION_ROWS,
-              tokens: tuple[int, ...] = CALIBRATION_TOKENS, repeats: int = 2,
+              tokens: tuple[int, ...] = calibration_widths(CALIBRATION_WIDTH), repeats: int = 2,
               context: int = CALIBRATION_CONTEXT) -> ForwardCosts:
-    """Time runner.forward for every (rows, tokens) cell on a warm cache of `context`
-    tokens per row; the fastest of `repeats` after one untimed warm-up (other processes
-    only ever add time). Uses cache ids below zero (never a real sequence's) and releases
-    them."""
-    rng = random.Random(0)
-    vocab = runner.vocab_size
-    context = max(1, min(context, runner.max_model_len - max(tokens) - 1))
-    ids = [-1 - i for i in range(max(rows))]
-    prefixes = [[rng.randrange(vocab) for _ in range(context)] for _ in ids]
-    # Calibration is not traffic: the runner's counters and forward hook do not see it.
-    hook, runner.on_forward, counters = runner.on_forward, None, copy.copy(runner.stats)
+    """Time runner.forward for every (rows, tokens) cell (Calibration)."""
+    session = Calibration(runner, max(rows), max(tokens), context, repeats)
     try:
-        runner.forward([RunnerRow(c, p, 1) for c, p in zip(ids, prefixes)])  # fill the cache
-        table = []
-        for r in rows:
-            line = []
-            for q in tokens:
-                batch = [RunnerRow(c, p + [rng.randrange(vocab) for _ in range(q)], q)
-                         for c, p in zip(ids[:r], prefixes[:r])]
-                runner.forward(batch)  # warm-up (allocations, kernel selection)
-                times = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    runner.forward(batch)
-                    times.append(time.perf_counter() - start)
-                line.append(min(times))
-            table.append(line)
+        session.warm_up(max(rows), max(tokens))
+        table = [[session.cell(r, q) for q in tokens] for r in rows]
     finally:
-        runner.on_forward, runner.stats = hook, counters
-        runner.release(ids)
+        session.close()
     return ForwardCosts(list(rows), list(tokens), table)
 
 
@@ -148,15 +225,16 @@ def attach_live_costs(runner: ModelRunner, costs: ForwardCosts) -> None:
 
 def verify_seconds(costs: ForwardCosts, method: str, lens: list[int]) -> float:
     """Predicted target forward for one scoring call: lens[i] proposal tokens of sequence i
-    (0 = scored non-speculatively). Rows are padded to the longest row's new tokens.
-    multi-query: B rows of max(lens)+1 tokens; batch-expansion: sum(lens[i]+1) rows of
-    max(lens)+1 tokens (vLLM 0.4.2's expansion: each speculating sequence becomes n+1 rows,
-    row j feeding the last accepted token and j proposals)."""
+    (0 = scored non-speculatively). multi-query: B rows, row i fed its own lens[i]+1 tokens
+    (packed, not padded: the table at B rows and their mean width); batch-expansion:
+    sum(lens[i]+1) rows padded to max(lens)+1 tokens (vLLM 0.4.2's expansion: each
+    speculating sequence becomes n+1 rows, row j feeding the last accepted token and j
+    proposals)."""
     if not lens:
         return 0.0
     width = max(lens) + 1
     if method == "multi-query":
-        return costs(len(lens), width)
+        return costs(len(lens), 1 + sum(lens) / len(lens))
     if method == "batch-expansion":
         return costs(sum(n + 1 for n in lens), width)
     raise ValueError(f"scoring method: {method!r} is neither multi-query nor batch-expansion")

@@ -15,6 +15,7 @@ import asyncio
 import contextvars
 import functools
 import threading
+import time
 
 import prometheus_client
 import torch
@@ -48,6 +49,11 @@ class ModelAccess:
     def __init__(self):
         _install_hook()
         self._lock = asyncio.Lock()
+        self.last_call = time.monotonic()  # when the last traffic call ended (or started)
+
+    def idle_for(self) -> float:
+        """Seconds since the last traffic call ended; 0 while one runs or waits."""
+        return 0.0 if self._lock.locked() else time.monotonic() - self.last_call
 
     @staticmethod
     def _call(stop: threading.Event, fn, args):
@@ -57,8 +63,12 @@ class ModelAccess:
         finally:
             _local.stop = None
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, traffic: bool = True):
+        """fn(*args) in a worker thread, one call at a time. traffic=False: the service's
+        own work (re-measuring its forward costs), which does not end its idle time."""
         async with self._lock:
+            if traffic:
+                self.last_call = time.monotonic()
             stop = threading.Event()
             call = functools.partial(contextvars.copy_context().run, self._call, stop, fn, args)
             future = asyncio.get_running_loop().run_in_executor(None, call)
@@ -75,3 +85,6 @@ class ModelAccess:
                 if not future.cancelled():
                     future.exception()  # retrieved: ForwardStopped is expected here
                 raise
+            finally:
+                if traffic:
+                    self.last_call = time.monotonic()

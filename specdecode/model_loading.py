@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.cost_model import ForwardCosts
+from specdecode.cost_model import CALIBRATION_WIDTH, ForwardCosts
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.grammar.matcher import Grammars
@@ -26,6 +26,16 @@ class ModelOptions:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     enforce_eager: bool = False  # no captured graphs (CUDA)
     deterministic: bool = False  # row-invariant numerics (specdecode.invariant_ops)
+    # The widest forward (query tokens per row) the cost table times: the orchestrator's
+    # max k + 1 (specdecode.cost_model).
+    calibration_width: int = CALIBRATION_WIDTH
+
+
+def resolve_deterministic(mode: str, dtype: str) -> bool:
+    """--deterministic on|off|auto: auto is on where a row's rounding flips tokens (bfloat16,
+    float16) and off in float32, where the fast kernels keep greedy output (invariant 1) and
+    the mode would only cost (docs/design.md, Invariant numerics)."""
+    return mode == "on" or (mode == "auto" and dtype != "float32")
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,

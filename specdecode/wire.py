@@ -349,6 +349,7 @@ def model_info_to_proto(info: ModelInfo) -> model_info_pb2.ModelInfo:
         m.forward_cost.rows[:] = costs.rows
         m.forward_cost.tokens[:] = costs.tokens
         m.forward_cost.seconds[:] = [s for line in costs.seconds for s in line]
+        m.forward_cost.version = costs.version
     return m
 
 
@@ -363,5 +364,5 @@ def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
             raise InvalidRequestError("forward_cost", f"{len(seconds)} seconds for "
                                       f"{len(rows)} rows x {len(tokens)} tokens")
         costs = ForwardCosts(rows, tokens, [seconds[i * len(tokens):(i + 1) * len(tokens)]
-                                            for i in range(len(rows))])
+                                            for i in range(len(rows))], c.version)
     return ModelInfo(**fields, forward_cost=costs)

@@ -11,7 +11,7 @@ from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from scorer_svc.methods import make_scorer
-from specdecode.cost_model import calibrate
+from specdecode.cost_model import calibrate, calibration_widths
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM
@@ -40,7 +40,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     target_runner = ModelRunner(target, device, enforce_eager=enforce_eager,
                                 deterministic=deterministic)
     max_len = target_runner.max_model_len
-    target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
+    target_costs = (calibrate(target_runner, tokens=calibration_widths(k + 1))
+                    if adaptive or scoring == "auto" else None)
     draft_costs = None
     if draft == NGRAM:
         proposer = NgramProposer(max_len, n_min=ngram_min)
@@ -49,7 +50,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
         draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager,
                                    deterministic=deterministic)
         max_len = min(max_len, draft_runner.max_model_len)
-        draft_costs = calibrate(draft_runner) if adaptive else None
+        draft_costs = (calibrate(draft_runner, tokens=calibration_widths(k + 1, catch_up=True))
+                       if adaptive else None)
         proposer = DraftModelProposer(ModelWorker(draft_runner, "draft", grammars()),
                                       draft_confidence)
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target", grammars()), target_costs)

@@ -89,8 +89,9 @@ class StackConfig:
     # 0 = the whole vocabulary) ...
     draft_vocab_size: int = 32768
     draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
-    # Row-invariant numerics in both services (docs/design.md, Invariant numerics): on | off
-    deterministic: str = "on"
+    # Row-invariant numerics in both services (docs/design.md, Invariant numerics):
+    # auto (on in bfloat16/float16) | on | off
+    deterministic: str = "auto"
     host: str = "127.0.0.1"  # what the three bind (0.0.0.0 = every interface)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
@@ -178,7 +179,7 @@ class LocalStack:
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",
-                      c.deterministic,
+                      c.deterministic, "--calibration-width", str(c.num_speculative_tokens + 1),
                       *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])]
         serving = on_serving or (lambda role: None)
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]

@@ -123,11 +123,12 @@ service_security_options = option_group(
              "(logged as a warning)."))
 
 
-ON_OFF = ("on", "off")
+DETERMINISTIC_CHOICES = ("auto", "on", "off")
 DETERMINISTIC_HELP = ("on: row-invariant numerics, so that a sequence's logits do not depend "
                       "on its batch, its number of query tokens or the replica (greedy output "
                       "is then the target's own in bf16 too; docs/design.md, Invariant "
-                      "numerics); off: the fastest kernels for each shape.")
+                      "numerics); off: the fastest kernels for each shape; auto: on for "
+                      "bfloat16 and float16, off for float32.")
 
 
 model_options = option_group(
@@ -144,8 +145,12 @@ model_options = option_group(
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
     opt("--enforce-eager", is_flag=True, default=False,
         help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
-    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(ON_OFF),
+    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(DETERMINISTIC_CHOICES),
         help=DETERMINISTIC_HELP),
+    opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
+        type=click.IntRange(1),
+        help="Widest forward (new tokens per row) the forward-cost table times, every width "
+             "up to it: the orchestrator's --num-speculative-tokens + 1."),
 )
 
 
@@ -318,7 +323,7 @@ stack_model_options = option_group(
         help=DRAFT_VOCAB_HELP),
     opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
         help=DRAFT_CONFIDENCE_HELP),
-    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(ON_OFF),
+    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(DETERMINISTIC_CHOICES),
         help=DETERMINISTIC_HELP),
 )
 

@@ -9,7 +9,8 @@ import torch
 
 from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.engine.request import Request
-from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy, expected_tokens
+from orchestrator.engine.speculation_policy import (REASONS, Candidate, SpeculationPolicy,
+                                                    expected_tokens)
 from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
 from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
@@ -25,25 +26,29 @@ from tests.conftest import (CPU, TARGET, chi_square_pvalue, greedy_request, refe
 ROWS, TOKENS = [1, 4], [1, 2, 3, 5, 9]
 
 
-def table(decode: float, per_token: float, per_row: float = 0.0) -> ForwardCosts:
+def table(decode: float, per_token: float, per_row: float = 0.0,
+          tokens: list[int] = TOKENS) -> ForwardCosts:
     """decode seconds for one row and token, + per_token for each further query token,
     + per_row for each further row (times its tokens)."""
-    return ForwardCosts(ROWS, TOKENS, [[decode + per_token * (q - 1) + per_row * (r - 1) * q
-                                        for q in TOKENS] for r in ROWS])
+    return ForwardCosts(ROWS, tokens, [[decode + per_token * (q - 1) + per_row * (r - 1) * q
+                                        for q in tokens] for r in ROWS])
 
 
 # -- cost model ------------------------------------------------------------------------------
 
-def test_forward_costs_interpolate_extrapolate_and_stay_monotone():
+def test_forward_costs_interpolate_extrapolate_and_stay_monotone_across_rows():
     costs = table(1.0, 0.5)
     assert costs(1, 1) == pytest.approx(1.0)
     assert costs(1, 4) == pytest.approx(2.5)  # between the 3- and 5-token points
     assert costs(1, 13) == pytest.approx(7.0)  # linear beyond the last token point
     assert costs(8, 1) == pytest.approx(2.0)  # per-row time of the last row point, x 8
-    noisy = ForwardCosts([1], [1, 2, 3], [[1.0, 0.4, 2.0]])  # a noisy 2-token time
-    assert noisy(1, 2) == pytest.approx(1.0)  # never cheaper than fewer tokens
-    assert noisy.observe(1, 3, 4.0) and noisy(1, 3) == pytest.approx(2.4)  # EWMA 0.2
-    assert not noisy.observe(1, 4, 9.9)  # not a grid point: ignored
+    # fp32 on CPU: a 2-token forward measured faster than a decode is kept as measured (no
+    # envelope across widths: it lifted every wider verify to the slowest narrower one) ...
+    fp32 = ForwardCosts([1, 4], [1, 2, 3], [[1.0, 0.4, 2.0], [0.9, 1.0, 2.5]])
+    assert fp32(1, 2) == pytest.approx(0.4)
+    assert fp32(4, 1) == pytest.approx(1.0)  # ... but more rows never cost less
+    assert fp32.observe(1, 3, 4.0) and fp32(1, 3) == pytest.approx(2.4)  # EWMA 0.2
+    assert not fp32.observe(1, 4, 9.9)  # not a grid point: ignored
     with pytest.raises(ValueError, match="2x5"):
         ForwardCosts(ROWS, TOKENS, [[1.0] * 5])
 
@@ -51,7 +56,8 @@ def test_forward_costs_interpolate_extrapolate_and_stay_monotone():
 def test_verify_cost_by_scoring_method():
     costs = table(1.0, 0.1, per_row=0.2)
     lens = [4, 0, 2]
-    assert verify_seconds(costs, "multi-query", lens) == costs(3, 5)
+    # multi-query feeds each row its own tokens (5 + 1 + 3, packed): 3 rows at their mean width
+    assert verify_seconds(costs, "multi-query", lens) == costs(3, 3)
     assert verify_seconds(costs, "batch-expansion", lens) == costs(5 + 1 + 3, 5)
     # Expanded rows are padded to the same width, so batch expansion never costs less in
     # this runner; auto scoring therefore picks multi-query whenever costs are monotone.
@@ -206,10 +212,15 @@ def test_a_new_sequence_speculates_on_its_own_evidence():
 
 def test_a_sequence_never_speculates_past_its_end():
     """k + 1 tokens at most per step: a request with 3 tokens left asks for 2, with 1 left
-    for none (drafting 16 for the last 6 tokens of a 32-token request cost copy 20%)."""
-    p = policy(table(0.25, 0.0), table(0.02, 0.0), k_max=16)
+    for none (drafting 16 for the last 6 tokens of a 32-token request cost copy 20%); nor
+    wider than the scorer's table measured."""
+    p = policy(table(0.25, 0.0, tokens=list(range(1, 18))), table(0.02, 0.0), k_max=16)
     teach(p, 1, 16, 16)
     assert p.plan([Candidate(1, 16, remaining=100)]).ks == [16]
+    narrow = policy(table(0.25, 0.0), table(0.02, 0.0), k_max=16)  # widths 1-9 measured
+    teach(narrow, 1, 16, 16)
+    assert narrow.plan([Candidate(1, 16, remaining=100)]).ks == [8]
+    assert p.plan([Candidate(1, 16, remaining=1)]).reasons == ["capped"]
     assert p.plan([Candidate(1, 16, remaining=3)]).ks == [2]
     assert p.plan([Candidate(1, 16, remaining=1)]).ks == [0]
 
@@ -294,23 +305,27 @@ def test_a_probe_with_catch_up_mends_a_draft_table_measured_under_load():
     (catch-up), so its time cannot tell the steady cost from the catch-up's: before the
     steady cost was ever measured, both take the same factor. (Charged to the catch-up
     alone, the probe left the steady draft steps priced at 1.07 s and the stack decoded
-    accepted code at k=0 for good.) A 256-token request of accepted code is probed after 8
-    plain steps, then ramps 1, 2, 4 and stays at 4 (but at its end): 0.52 of plain decoding's time (0.6
+    accepted code at k=0 for good.) The first plain step runs 0.61x the table's decode:
+    the factors are rescaled to that host and the tables count as unchecked, so a 256-token
+    request of accepted code is probed at its second step (it waited 8 plain steps before),
+    then ramps 1, 2, 4 and stays at 4 (but at its end): 0.50 of plain decoding's time (0.6
     allowed; at k=0 it was 1.0). The probe's predicted loss on this wrong table exceeds 3%
     of a 64-token request's plain time, so that one is not probed (the price of bounding
-    what a probe may cost a short request)."""
+    what a probe may cost a short request): its reason is no_budget."""
     true_scorer, true_draft = table(0.30, 0.01), table(0.10, 0.004)
     wrong_scorer, wrong_draft = table(0.50, 0.01), table(1.07, 0.03)  # as measured
     plans = run_draft_steps(policy(wrong_scorer, wrong_draft), 256, true_scorer, true_draft,
                             prompt=14, accept=True)
     ks = [plan.ks[0] for plan, _ in plans]
     first = next(i for i, k in enumerate(ks) if k)
-    assert first == 8 and plans[first][0].explore and plans[first][0].catch_up > 0
+    assert first == 1 and plans[first][0].explore and plans[first][0].catch_up > 0
+    assert plans[0][0].reasons == ["exploration_pending"]
     assert ks[first:first + 3] == [1, 2, 4] and set(ks[first + 2:-1]) == {4}
     assert sum(s for _, s in plans) < 0.6 * 256 * (0.004 + true_scorer(1, 1))
     plans = run_draft_steps(policy(wrong_scorer, wrong_draft), 64, true_scorer, true_draft,
                             prompt=14, accept=True)
     assert not any(plan.ks[0] for plan, _ in plans)
+    assert plans[1][0].reasons == ["no_budget"]
 
 
 def test_engine_tells_the_policy_what_the_draft_missed(target_model):
@@ -495,8 +510,11 @@ def test_stack_defaults_are_lossless_and_report_costs(tiny_model_dirs, target_mo
         assert info.scoring_method == "auto"
         body = urllib.request.urlopen(
             f"http://127.0.0.1:{stack.metrics_ports['orchestrator']}/metrics").read().decode()
-        count = float(re.search(r"^specdecode_chosen_k_count(?:\{[^}]*\})? (\S+)$", body,
-                                    re.M).group(1))  # labels: model_name
+        counts = {m[1]: float(m[2]) for m in re.finditer(
+            r'^specdecode_chosen_k_count\{[^}]*reason="(\w*)"[^}]*\} (\S+)$', body, re.M)}
+        count = sum(counts.values())  # labels: model_name, reason
+        assert counts["capped"] >= len(PROMPTS) and set(counts) <= set(REASONS)  # prompt steps
+        assert re.search(r"^specdecode_predicted_speedup_count(?:\{[^}]*\})? [1-9]", body, re.M)
         assert count >= len(PROMPTS) * 2  # one per sequence-step, prompt steps included
 
 

@@ -56,6 +56,20 @@ def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_
 
 
 
+def test_adaptive_bench_runs_a_stack_started_under_load(tmp_path):
+    """--parts busy: a stack started while busy loops held every core generates (its row
+    beside HF target-only's greedy output, equal to it)."""
+    r = subprocess.run(
+        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--max-tokens",
+         "4", "--parts", "ref,busy", "--busy-wait", "0", "--classes", "code", "--dtypes",
+         "float32", "--results", str(tmp_path)], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=540)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
+    rows = {row["path"]: row for row in result["rows"]}
+    assert rows["stack defaults, started under load, 0 s after"]["equal"] == "4/4"
+
+
 def run_ceiling(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     r = subprocess.run(
         [sys.executable, "bench/ceiling.py", "--pair", "tiny", "--dtype", "float32", "--classes",

@@ -218,6 +218,12 @@ class ReplicaSet:
     def describe(self) -> str:
         return f"{self.role} ({self.spec})"
 
+    def first_up(self) -> tuple[str, object] | None:
+        """(address, client) of the first replica up in address order, or None."""
+        with self._lock:
+            up = sorted((r.address, r.client) for r in self._replicas.values() if r.up)
+        return up[0] if up else None
+
     def route(self, seq_ids: list[int]) -> dict[str, tuple[list[int], object, list[int]]]:
         """Replica address -> (positions in seq_ids it serves, its client, the positions it
         has not served before: it will compute them from scratch); {} when none is up."""

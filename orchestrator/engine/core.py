@@ -183,6 +183,8 @@ class SpecDecodeEngine:
         k = req.num_lookahead_slots
         stats = StepStats(batch_size=len(batch.rows), k=k, chosen_k=list(plan.ks),
                           predicted_scoring=plan.scoring, explore=plan.explore,
+                          k_reasons=list(plan.reasons), predicted_speedup=plan.speedup,
+                          best_speculative_speedup=plan.best_speedup,
                           accepted_by_position=[0] * k)
         with deadlines.bounded_by(self._deadline(batch.seqs)):
             proposals, warming = self._propose(batch, req)
@@ -202,7 +204,8 @@ class SpecDecodeEngine:
         # their times are not learned.
         if (ran or not k) and not prefill:
             self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
-                                     stats.score_s, stats.total_s)
+                                     stats.score_s, stats.total_s,
+                                     {role: s.busy_s for role, s in stats.services.items()})
         self.last_step = stats
         return outputs
 
@@ -341,6 +344,8 @@ class SpecDecodeEngine:
             constrained = seq.request.sampling_params.structured_output is not None
             if n:
                 stats.observe_draft(n, passed[i], len(tokens), constrained)
+            elif plan.ks[i] and read:
+                stats.k_reasons[i] = "no_match"  # asked, and the proposer found nothing
             seq.stats.observe_step(n, len(tokens))
             new = append_tokens(seq, tokens, self.max_model_len)
             # (a request that wants logprobs gets its forced tokens from forwards: the

@@ -2,164 +2,76 @@
 per second, from each sequence's running acceptance estimate and the measured forward costs
 of the draft and the target (docs/design.md, adaptive speculation).
 
-With per-token acceptance α, a sequence proposing k tokens emits on average
+A step's cost is shared by the whole batch: the draft's forwards (each over the sequences
+still drafting), one target forward as wide as the batch's longest proposal plus one
+(multi-query; batch expansion feeds sum(k_i + 1) rows), priced over the distribution of
+proposal lengths (orchestrator.engine.policy_estimates), plus the RPC and bookkeeping time
+measured from earlier steps. The batch's k is chosen jointly: every sequence at K (or its
+cap), leaving out the sequences least likely to gain when that pays. k = 0 for every
+sequence skips the proposer and is plain decoding, so the policy never picks speculation
+that its costs say does not pay. Only widths the scorer's table measured are priced.
 
-    E(α, k) = 1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α)
+Acceptance is learned per sequence from what verification accepted (decayed counts), blended
+with the running acceptance of all sequences as a prior; a sequence speculates at most four
+times the draft tokens it has itself had accepted (at least 2), and never beyond what it may
+still emit. A draft model's catch-up (the tokens it missed while the sequence decoded
+plainly) is priced at its real width and spread over the speculative steps the request has
+left.
 
-tokens (the accepted prefix plus the target's token). A step's cost is shared by the whole
-batch: K draft steps (one forward each over the sequences still drafting), one target forward
-of K+1 tokens per row (multi-query; batch expansion feeds sum(k_i + 1) rows), plus the RPC and
-bookkeeping time measured from earlier steps. k = 0 for every sequence skips the proposer and
-is plain decoding, so the policy never picks speculation that its costs say does not pay: low
-acceptance, proposers that rarely find an n-gram, a large batch or slow multi-token forwards.
+The tables are mended by what the steps take: an additive term learned on plain steps, a
+factor per verify width on what verifying costs beyond a decode, factors on the draft's
+steady and catch-up forwards. A table taken on a busy host must not lock speculation off:
 
-Acceptance is learned per sequence from what verification accepted (decayed counts, so it
-follows a sequence moving from prose into code), blended with the running acceptance of all
-sequences as a prior; a sequence that stopped speculating slowly forgets its evidence and is
-tried again once the prior makes speculation look worth it. The prior is other sequences'
-acceptance, so a sequence speculates at most four times the draft tokens it has itself had
-accepted (at least 2: k = 2, 8, 16, ... while all are accepted): a prose request arriving
-after code requests risks two cheap proposals, not k = 16 on code's acceptance (a draft
-that stops early when unsure cuts even those short). Nor does a sequence speculate beyond
-what it may still emit: k + 1 tokens at most, so k < the tokens its request has left.
+- when plain steps run faster than the table's decode by HOST_DRIFT (the load that inflated
+  the start-up table is gone), every factor is rescaled by the measured ratio, the tables
+  count as unchecked again and every sequence is due for exploration;
+- while plain decoding is chosen, the most promising speculative plan runs now and then
+  instead (exploration): a sequence after 8 of its plain steps, then 16, ... 256, and at
+  once after a fresh table when fully accepted speculation would pay well; the first
+  exploration of a table risks 3% of the plain time its requests have left, later ones 2%
+  of the sequence's own plain time; a sequence left out while others speculate on their
+  merit is due again after 8 plain steps (their acceptance is evidence); an n-gram probe
+  that proposed nothing does not count as one;
+- the services re-measure their tables while idle when they drift
+  (specdecode.recalibration), and a newer table replaces the policy's (update_table).
 
-A draft model holds KV state only for what it was sent: after plain steps (and after the
-prompt, which it never sees) its first forward must read every token it missed (catch-up),
-a forward of that many query tokens. The policy counts it, spread over the speculative
-steps the request has left (the draft then stays current), so a long plain stretch does
-not lock speculation out where it pays, while a short one is not worth the catch-up.
-
-The services' cost tables are measured once at start-up; timed while the other service
-loads on the same cores they can be several times off (`specdecode up` therefore starts
-one service after the other). The policy corrects them with what its own steps take (RPC
-included; steps that compute a prompt teach nothing): an additive term learned on
-plain-decoding steps, and a factor per verify width on what verifying costs beyond a decode
-(and on the draft's forwards: one for its steady steps, one for a catch-up; until a steady
-step was measured, a step with a catch-up teaches both) learned on speculative ones.
-A correction can only be learned for a width that runs, so while plain decoding is chosen
-the policy now and then runs the most promising speculative plan instead (exploration): a
-sequence is explored after 8 of its plain steps, then 16, 32, ... up to 256. The first
-exploration checks the start-up table: it runs while its predicted loss (the whole catch-up
-and the time beyond plain decoding of the same tokens) fits in 3% of the plain time its
-requests have left, so a short request does not pay for a long catch-up. Later ones run
-only while their predicted loss fits in 2% of the time each sequence it explores spent
-decoding plainly since it last speculated (its own time: a budget saved while other
-requests decoded plainly is not spent on one request).
+Every plan says why (Plan.reasons, per sequence: REASONS) and its predicted speed-up over
+plain decoding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
+from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
+                                                  draft_seconds, expected_tokens, length_pmf,
+                                                  point_pmf, verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
+
+__all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]
 
 DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
 IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
 GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
-PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
-OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
-EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step ...
-EXPLORE_MAX = 256  # ... the wait doubles after each exploration, up to this
+EXPLORE_MAX = 256  # the wait between a sequence's explorations doubles up to this
 EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
-EXPLORE_FIRST_SHARE = 0.03  # ... the first's: of the plain time its requests have left
-EXPLORE_AT_ONCE_GAIN = 1.5  # a fresh server's first exploration is due at a sequence's first
-# decode step when the tables say fully accepted speculation would run this much faster
+EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its requests have left
+EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
+# when the tables say fully accepted speculation would run this much faster
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
-TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
+HOST_DRIFT = 1.3  # plain steps this much faster than the table's decode: rescale
+NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
 
-
-def expected_tokens(alpha: float, k: int, cont: float = 1.0) -> float:
-    """E(α, k): tokens one sequence emits from up to k proposals at per-token acceptance α,
-    when the draft goes on after each proposal with probability `cont` (early stop):
-    1 + Σ_{j=1..k} cont^(j-1) α^j."""
-    if k <= 0:
-        return 1.0
-    if cont >= 1.0:
-        if alpha >= 1.0:
-            return k + 1.0
-        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return 1.0 + sum(cont ** (j - 1) * alpha ** j for j in range(1, k + 1))
-
-
-def expected_len(k: int, cont: float = 1.0) -> float:
-    """Expected proposal length (= draft forwards) when asking for k: Σ_{j=1..k} cont^(j-1)."""
-    if cont >= 1.0:
-        return float(max(k, 0))
-    return sum(cont ** (j - 1) for j in range(1, k + 1))
-
-
-@dataclass
-class Acceptance:
-    """Decayed counts of one sequence's (or all sequences') verification outcomes."""
-
-    accepted: float = 0.0  # draft tokens accepted before the first rejection
-    tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
-    proposed: float = 0.0  # steps where the proposer returned tokens ...
-    asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
-    continued: float = 0.0  # draft positions after which the draft went on ...
-    tested: float = 0.0  # ... out of those where it could have stopped early
-    plain_steps: int = 0  # steps without speculation since it last speculated ...
-    plain_s: float = 0.0  # ... and their predicted seconds (its exploration budget)
-    explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
-
-    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-        return (self.accepted + weight * prior) / (self.tried + weight)
-
-    def trusted_k(self) -> int:
-        """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
-        accepted tokens, at least TRUST_START."""
-        return max(TRUST_START, int(TRUST_GROWTH * self.accepted))
-
-    def proposal_rate(self, weight: float = 1.0) -> float:
-        return (self.proposed + weight) / (self.asked + weight)
-
-    def continuation(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-        """How often the draft goes on after a proposal (1: it never stops early)."""
-        return (self.continued + weight * prior) / (self.tested + weight)
-
-    def drafted(self, asked: int, proposed: int, decay: float) -> None:
-        """A draft model returned `proposed` of `asked` tokens: it went on after each but
-        the last, and stopped early after the last when it is short of what was asked."""
-        if not proposed:
-            return
-        stopped = 1 if proposed < asked else 0
-        self.continued = decay * self.continued + proposed - 1
-        self.tested = decay * self.tested + proposed - 1 + stopped
-
-    def update(self, asked: int, proposed: int, accepted: int, decay: float) -> None:
-        """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
-        prefix length (tokens emitted - 1)."""
-        self.accepted = decay * self.accepted + accepted
-        self.tried = decay * self.tried + accepted + (1 if accepted < proposed else 0)
-        if asked:
-            self.asked = decay * self.asked + 1
-            self.proposed = decay * self.proposed + (1 if proposed else 0)
-
-    def idle(self, decay: float = IDLE_DECAY) -> None:
-        self.accepted *= decay
-        self.tried *= decay
-        self.plain_steps += 1
-
-
-@dataclass
-class Learned:
-    """A running mean that trusts its first samples fully (1/n) and then weighs each new one
-    OVERHEAD_WEIGHT, so one observation replaces a start-up guess and later ones track drift."""
-
-    value: float
-    n: int = 0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.value += max(OVERHEAD_WEIGHT, 1.0 / self.n) * (x - self.value)
-
-
-def _factor(measured: float, predicted: float) -> float:
-    """measured / predicted, within FACTOR_RANGE (1 when nothing was predicted)."""
-    if predicted <= 0:
-        return 1.0
-    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+# Why a sequence got its k. k > 0: speculate (the costs say it pays), explore (measuring
+# them), fixed (--speculation fixed). k = 0: capped (a prompt step, a request's own 0, or
+# its last token), low_acceptance, no_match (an n-gram finding nothing), verify_too_dear
+# (even full acceptance would not pay); on tables no speculative step has checked yet,
+# exploration_pending (one is to come) or no_budget (it was due but would cost more than
+# its budget).
+REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
+           "verify_too_dear", "no_budget", "exploration_pending")
 
 
 @dataclass
@@ -184,6 +96,9 @@ class Plan:
     catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
     horizon: float = 1.0  # speculative steps the catch-up is spread over
     behind: list[int] | None = None  # [B] tokens each row's draft had to read first
+    speedup: float = 1.0  # predicted tokens/s over plain decoding's (1: plain, or unpriced)
+    best_speedup: float = 1.0  # the best speculative plan's (below 1: why it decodes plainly)
+    reasons: list[str] = field(default_factory=list)  # [B] why each k (REASONS)
 
 
 class SpeculationPolicy:
@@ -206,36 +121,91 @@ class SpeculationPolicy:
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
         self.measure_overheads = measure_overheads
-        # Learned from the steps (seconds): outside the calls; a plain scoring call beyond the
-        # table's decode (RPC, and the table's error); an n-gram proposer call. Factors on
-        # the tables: per verify width (on the cost beyond a decode), on the draft's forwards.
-        self.step_s, self.rpc_s, self.ngram_s = Learned(0.0), Learned(0.0), Learned(0.0)
+        self.step_s, self.ngram_s = Learned(0.0), Learned(0.0)  # outside the calls; n-gram call
+        self._forget_tables()
+        self._newer: dict[str, ForwardCosts] = {}  # tables handed over by update_table
+        self._newer_lock = threading.Lock()
+
+    def _forget_tables(self) -> None:
+        """What was learned about the tables: a plain scoring call beyond the table's decode
+        (RPC, and the table's error); factors per verify width (on the cost beyond a
+        decode) and on the draft's forwards; the host's speed they assume."""
+        self.rpc_s = Learned(0.0)
+        self.propose_rpc_s = Learned(0.0)  # a proposer call beyond the time it reports
         self.verify_factor: dict[int, Learned] = {}
         self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
         self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
+        self.host = 1.0  # measured plain scoring / the table's decode, as applied
+        self.checked = False  # a speculative step measured these tables
+
+    def update_table(self, role: str, costs: ForwardCosts) -> None:
+        """A service's re-measured table (any thread): the next plan adopts it."""
+        with self._newer_lock:
+            self._newer[role] = costs
+
+    def _adopt_tables(self) -> None:
+        with self._newer_lock:
+            newer, self._newer = self._newer, {}
+        if not newer:
+            return
+        self.scorer_costs = newer.get("scorer", self.scorer_costs)
+        self.draft_costs = newer.get("proposer", self.draft_costs)
+        self._forget_tables()
+        for est in self.seqs.values():  # due: the new table is checked at once
+            est.plain_steps = max(est.plain_steps, est.explore_after)
 
     # -- choosing k ------------------------------------------------------------------------
 
     def plan(self, candidates: list[Candidate]) -> Plan:
+        self._adopt_tables()
         caps = [min(c.cap, self.k_max) for c in candidates]
         if not self.adaptive or not candidates:
-            return Plan(caps, "", 0.0, 0.0)
+            return Plan(caps, "", 0.0, 0.0, reasons=["fixed" if k else "capped" for k in caps])
         prior = self.all.alpha(0.5, 0.0)
         est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
-        caps = [max(0, min(cap, a.trusted_k(), c.remaining - 1))
-                for cap, a, c in zip(caps, est, candidates)]
+        widest = self.scorer_costs.max_width - 1  # price only measured verify widths
+        hard = [max(0, min(cap, c.remaining - 1, widest)) for cap, c in zip(caps, candidates)]
+        risk = self._risks(max(hard, default=0))
+        trusted = [_trusted(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)
         conts = [a.continuation(cont_prior) if self.draft_model else 1.0 for a in est]
-        evaluate = lambda ks, al=alphas: self._evaluate(ks, al, rates, conts,  # noqa: E731
-                                                        candidates)
-        plain = best = evaluate([0] * len(caps))
-        best_spec = None
-        for K in range(1, max(caps, default=0) + 1):
-            ks = [min(K, cap) for cap in caps]
+
+        def evaluate(ks, al=alphas, rs=rates):
+            return self._evaluate(ks, al, rs, conts, candidates)
+        plain = evaluate([0] * len(caps))
+        best_spec = self._search(trusted, alphas, rates, evaluate)
+        best = plain
+        if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
+            best = best_spec
+        # The most speculation could gain: fully accepted, every proposal found, at up to
+        # the caps, its steady steps (the catch-up is a probe's price, not the gain's).
+        sure = 1.0
+        if not any(best.ks) and any(caps):
+            full = [min(cap, c.remaining - 1, widest) for cap, c in zip(caps, candidates)]
+            sure = max((_steady_rate(evaluate([min(K, cap) for cap in full], [1.0] * len(est),
+                                              [1.0] * len(est))) / _rate(plain)
+                        for K in range(1, max(full, default=0) + 1)), default=1.0)
+        chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
+        chosen.speedup = _rate(chosen) / _rate(plain)
+        chosen.best_speedup = _rate(best_spec) / _rate(plain) if best_spec else 1.0
+        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget)
+        if any(chosen.ks) and not chosen.explore:  # others' acceptance is evidence
+            for a, k, cap in zip(est, chosen.ks, hard):
+                if cap and not k:
+                    a.explore_after = min(a.explore_after, EXPLORE_FIRST)
+        return chosen
+
+    def _search(self, limits: list[list[int]], alphas: list[float], rates: list[float],
+                evaluate) -> Plan | None:
+        """The best plan with every sequence at K (or the most it may speculate up to K:
+        limits[i][K]), K = 1 .. the largest cap, each also with the 1, 2, 4, ... sequences
+        least likely to gain left out."""
+        best = None
+        for K in range(1, max(len(lim) for lim in limits)):
+            ks = [lim[min(K, len(lim) - 1)] for lim in limits]
             plan = evaluate(ks)
-            # Leave out the 1, 2, 4, ... sequences least likely to gain, if that pays.
             spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i] * rates[i])
             drop = 1
             while drop < len(spec):
@@ -244,55 +214,62 @@ class SpeculationPolicy:
                 if _rate(trial) > _rate(plan):
                     plan = trial
                 drop *= 2
-            if best_spec is None or _rate(plan) > _rate(best_spec):
-                best_spec = plan
-        if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
-            best = best_spec
-        at_once = False
-        if (best_spec is not None and not any(best.ks) and not self.verify_factor
-                and not all(a.asked for a in est)):
-            # Nothing speculative measured yet (a fresh server) and a sequence that never
-            # speculated (only such a one is due at once): could it pay well, fully accepted
-            # at up to the caps (its steady steps: the catch-up is the probe's)?
-            full = [min(c.cap, self.k_max) for c in candidates]
-            for K in range(1, max(full) + 1):
-                sure = evaluate([min(K, cap) for cap in full], [1.0] * len(est))
-                steady = sure.seconds - sure.catch_up_s / sure.horizon
-                if sure.expected_tokens / steady > EXPLORE_AT_ONCE_GAIN * _rate(plain):
-                    at_once = True
-                    break
-        return self._maybe_explore(best, best_spec, plain, est, candidates, at_once)
+            if best is None or _rate(plan) > _rate(best):
+                best = plan
+        return best
+
+    def _reasons(self, plan: Plan, caps: list[int], rates: list[float], sure: float,
+                 over_budget: bool) -> list[str]:
+        """Why each sequence got its k (REASONS)."""
+        if not self.checked:  # the tables say no; an exploration is to check them
+            plain_why = "no_budget" if over_budget else "exploration_pending"
+        else:
+            plain_why = "verify_too_dear" if sure <= GAIN_MARGIN else ""
+        out = []
+        for k, cap, r in zip(plan.ks, caps, rates):
+            if k:
+                out.append("explore" if plan.explore else "speculate")
+            elif not cap:
+                out.append("capped")
+            elif not any(plan.ks) and plain_why:
+                out.append(plain_why)
+            else:
+                out.append("no_match" if r < NO_MATCH_RATE else "low_acceptance")
+        return out
 
     def _maybe_explore(self, best: Plan, best_spec: Plan | None, plain: Plan,
                        est: list[Acceptance], candidates: list[Candidate],
-                       at_once: bool = False) -> Plan:
+                       sure: float) -> tuple[Plan, bool]:
         """Run the best speculative plan although plain decoding looks faster when one of its
-        sequences is due (its plain steps reached its wait; at_once: its first exploration
-        is due now, at its first decode step, where the draft's catch-up is smallest) and
-        the predicted loss fits the budget, so that speculation's cost is measured rather
-        than taken from the table."""
+        sequences is due (its plain steps reached its wait; or, on unchecked tables, one
+        that never speculated, at its first decode step where a draft's catch-up is
+        smallest, when fully accepted speculation would run EXPLORE_AT_ONCE_GAIN faster)
+        and the predicted loss fits the budget, so that speculation's cost is measured
+        rather than taken from the table. Returns the plan and whether a due exploration
+        was over its budget."""
         if any(best.ks) or best_spec is None:
-            return best
+            return best, False
         for a in est:
             a.plain_s += plain.seconds
+        at_once = not self.checked and sure > EXPLORE_AT_ONCE_GAIN
         due = [i for i, k in enumerate(best_spec.ks)
                if k and (est[i].plain_steps >= est[i].explore_after
-                         or at_once and not est[i].asked)]  # never speculated
+                         or at_once and not est[i].speculated)]
         if not due:
-            return best
-        if self.verify_factor:
-            # Each due sequence's own plain time pays: the loss never concentrates on one
-            # request.
+            return best, False
+        if self.checked:  # each due sequence's own plain time pays: no request pays for all
             budget = EXPLORE_SHARE * min(est[i].plain_s for i in due)
-        else:  # the unchecked start-up table: a share of what the requests have left
+        else:  # unchecked tables: a share of what the requests have left
             budget = EXPLORE_FIRST_SHARE * plain.seconds * min(candidates[i].remaining
                                                                for i in due)
-        if self._explore_loss(best_spec, plain) > budget:
-            return best
+        loss = self._explore_loss(best_spec, plain)
+        if loss > budget:
+            return best, True
         for i in due:
-            est[i].explore_after = min(2 * est[i].explore_after, EXPLORE_MAX)
+            est[i].exploring = True
+            est[i].plain_s -= loss
         best_spec.explore = True
-        return best_spec
+        return best_spec, False
 
     def _explore_loss(self, spec: Plan, plain: Plan) -> float:
         """Predicted seconds an exploration costs beyond plain decoding of its tokens: its
@@ -306,74 +283,62 @@ class SpeculationPolicy:
         tokens = sum(1.0 + r * (expected_tokens(a, k, c) - 1.0)
                      for a, r, k, c in zip(alphas, rates, ks, conts))
         plan = Plan(ks, "", tokens, 0.0)
-        self._cost(plan, rates, conts, candidates)
+        pmfs = [length_pmf(k, c, r, self.draft_model) for k, c, r in zip(ks, conts, rates)]
+        self._cost(plan, pmfs, candidates)
         return plan
 
-    def _cost(self, plan: Plan, rates: list[float], conts: list[float],
-              candidates: list[Candidate]) -> None:
-        """Fill in the plan's scoring method and predicted seconds."""
+    def _cost(self, plan: Plan, pmfs: list[list[float]], candidates: list[Candidate]) -> None:
+        """Fill in the plan's scoring method and predicted seconds: pmfs[i] is the
+        distribution of row i's proposal length."""
         ks = plan.ks
-        B, K = len(ks), max(ks)
-        decode = self.scorer_costs(B, 1) + self.rpc_s.value  # a plain scoring call
-        seconds = self.step_s.value + decode
+        B = len(ks)
+        seconds = self.step_s.value + self.scorer_costs(B, 1) + self.rpc_s.value  # a plain call
         plan.scoring = "multi-query" if self.scoring == "auto" else self.scoring
-        if K == 0:
+        if max(ks) == 0:
             plan.seconds = max(seconds, 1e-6)
             return
         if self.draft_model:
             plan.behind = [c.behind for c in candidates]
-            steady, catch_up = self._drafted(ks, plan.behind, conts)
+            steady, catch_up = draft_seconds(self.draft_costs, pmfs, plan.behind)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
-            seconds += self._rpc() + self.draft_factor.value * steady
+            seconds += self._propose_rpc() + self.draft_factor.value * steady
             if catch_up:
                 plan.horizon = _horizon(plan, candidates)
                 seconds += plan.catch_up_s / plan.horizon
         else:
             seconds += self.ngram_s.value
-        # An early-stopping draft proposes fewer tokens than asked: verify what it is expected
-        # to propose.
-        lens = [expected_len(k, c) for k, c in zip(ks, conts)]
-        if self.scoring == "auto":
-            plan.scoring = min(("multi-query", "batch-expansion"),
-                               key=lambda m: verify_seconds(self.scorer_costs, m, lens))
-        # What verifying costs beyond a decode, as the table says, mended by what was measured.
-        extra = (verify_seconds(self.scorer_costs, plan.scoring, lens) - self.scorer_costs(B, 1)
-                 ) * self._verify_factor(round(max(lens)) + 1)
-        # An n-gram proposer may find nothing: when no row has a proposal, the step's
-        # scoring is a decode.
-        p_none = 1.0
-        for r, k in zip(rates, ks):
-            p_none *= 1.0 - (r if k else 0.0)
-        plan.seconds = max(seconds + extra * (1.0 - p_none), 1e-6)
+        methods = ("multi-query", "batch-expansion") if self.scoring == "auto" else (plan.scoring,)
+        extra = {m: verify_extra(self.scorer_costs, m, pmfs, self._verify_factor)
+                 for m in methods}
+        plan.scoring = min(methods, key=lambda m: extra[m])
+        plan.seconds = max(seconds + extra[plan.scoring], 1e-6)
 
-    def _rpc(self) -> float:
-        """One call's time around the forward (the proposer's is taken to be the scorer's)."""
-        return max(self.rpc_s.value, 0.0)
+    def _risks(self, k_max: int) -> list[float]:
+        """[k_max + 1]: seconds one sequence's step at k costs beyond plain decoding were
+        nothing accepted (its draft's steady forwards and the wider verify)."""
+        risk = [0.0]
+        for k in range(1, k_max + 1):
+            pmf = [point_pmf(k)]
+            if self.draft_model:
+                drafting = self._propose_rpc() + self.draft_factor.value * draft_seconds(
+                    self.draft_costs, pmf, [1])[0]
+            else:
+                drafting = self.ngram_s.value
+            risk.append(drafting + verify_extra(self.scorer_costs, "multi-query", pmf,
+                                                self._verify_factor))
+        return risk
 
-    def _drafted(self, ks: list[int], behind: list[int],
-                 conts: list[float] | None = None) -> tuple[float, float]:
-        """The draft table's seconds for the step's forwards: (steady, catch-up). Step s runs
-        over the rows still drafting (a row asked for k goes on past step s with
-        probability conts^s: early stop; an expected count of rows below one costs that
-        share of one row); the first reads what each row missed (padded to the longest), of
-        which up to 2 tokens (the bonus token, and the last proposal when all were accepted)
-        are the steady state and the rest is catch-up."""
-        conts = conts or [1.0] * len(ks)
-        rows = sum(1 for k in ks if k)
-        width = max((b for b, k in zip(behind, ks) if k), default=1)
-        steady = 0.0
-        for s in range(1, max(ks)):
-            active = sum(c ** s for k, c in zip(ks, conts) if k > s)
-            steady += (self.draft_costs(active, 1) if active >= 1
-                       else active * self.draft_costs(1, 1))
-        first = self.draft_costs(rows, min(width, 2))
-        return steady + first, max(self.draft_costs(rows, width) - first, 0.0)
+    def _propose_rpc(self) -> float:
+        """A proposer call's time around its forwards: measured where the service reports
+        its own time, else taken to be the scorer's."""
+        return max(self.propose_rpc_s.value if self.propose_rpc_s.n else self.rpc_s.value, 0.0)
 
     def _verify_factor(self, width: int) -> float:
-        """The learned factor of the nearest verify width measured (1 before any)."""
+        """The learned factor of the nearest verify width measured (the host's speed
+        before any)."""
         if not self.verify_factor:
-            return 1.0
+            return self.host
         return self.verify_factor[min(self.verify_factor, key=lambda w: (abs(w - width), w))].value
 
     # -- learning ----------------------------------------------------------------------------
@@ -383,41 +348,70 @@ class SpeculationPolicy:
         `accepted_prefix` of them were accepted."""
         est = self.seqs.setdefault(seq_id, Acceptance())
         if asked == 0:
-            est.idle()
+            est.idle(IDLE_DECAY)
             return
-        est.plain_steps, est.plain_s = 0, 0.0
         est.update(asked, proposed, accepted_prefix, DECAY)
+        if not proposed:  # an n-gram found nothing: no speculation, and no probe
+            est.plain_steps += 1
+            return
+        if est.exploring:
+            est.explore_after = min(2 * est.explore_after, EXPLORE_MAX)
+            est.exploring = False
+        est.speculated = True
+        est.plain_steps, est.plain_s = 0, 0.0
         if self.draft_model:
             est.drafted(asked, proposed, DECAY)
             self.all.drafted(asked, proposed, GLOBAL_DECAY)
-        if proposed:
-            self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
+        self.all.update(asked, proposed, accepted_prefix, GLOBAL_DECAY)
 
     def observe_step(self, plan: Plan, lens: list[int], propose_s: float, score_s: float,
-                     total_s: float) -> None:
+                     total_s: float, busy: dict[str, float] | None = None) -> None:
         """Learn from a step's measured times: the time around the calls (RPCs, sampling,
         bookkeeping) on plain steps, the factor by which the tables were off on speculative
-        ones. lens: the proposal lengths actually scored."""
+        ones. lens: the proposal lengths actually scored; busy: role -> the seconds the
+        remote service reported working on the step's calls (0 or absent in-process)."""
         if not (self.adaptive and self.measure_overheads and plan.ks):
             return
+        busy = busy or {}
+        if busy.get("scorer", 0.0) > 0 and self.rpc_s.n == 0:  # no plain step measured yet
+            self.rpc_s.add(score_s - busy["scorer"])
         self.step_s.add(max(total_s - propose_s - score_s, 0.0))
-        width = max(lens, default=0) + 1
+        width = verify_width(plan.scoring or "multi-query", lens)
         decode = self.scorer_costs(len(lens), 1)
         if width == 1:  # a decode (n-gram may have found nothing): the RPC, and the table's error
             self.rpc_s.add(score_s - decode)
+            self._follow_host(decode)
         else:  # how far off the table's cost of verifying beyond a decode was
             extra = verify_seconds(self.scorer_costs, plan.scoring or "multi-query", lens) - decode
-            self.verify_factor.setdefault(width, Learned(1.0)).add(
+            self.verify_factor.setdefault(width, Learned(self.host)).add(
                 _factor(score_s - self.rpc_s.value - decode, extra))
+            self.checked = True
         if max(plan.ks):
             if self.draft_model:
                 # Priced as drafted: an early stop ran fewer forwards than the plan expected.
-                steady, catch_up = self._drafted([n if k else 0 for n, k in zip(lens, plan.ks)],
+                pmfs = [point_pmf(n) if k else [1.0] for n, k in zip(lens, plan.ks)]
+                steady, catch_up = draft_seconds(self.draft_costs, pmfs,
                                                  plan.behind or [1] * len(lens))
                 if any(lens):
-                    self._learn_draft(propose_s - self._rpc(), steady, catch_up)
+                    if busy.get("proposer", 0.0) > 0:
+                        self.propose_rpc_s.add(propose_s - busy["proposer"])
+                    self._learn_draft(propose_s - self._propose_rpc(), steady, catch_up)
             else:
                 self.ngram_s.add(propose_s)
+
+    def _follow_host(self, decode: float) -> None:
+        """Plain steps HOST_DRIFT faster than the host the factors assume (the load that
+        inflated a start-up table is gone, or less of it): rescale every factor to the
+        measured speed, count the tables as unchecked and make every sequence due."""
+        host = min((decode + self.rpc_s.value) / decode, 1.0) if decode > 0 else 1.0
+        if 1 / HOST_DRIFT <= host / self.host <= HOST_DRIFT:
+            return
+        scale, self.host = host / self.host, host
+        for f in (*self.verify_factor.values(), self.draft_factor, self.catch_up_factor):
+            f.value *= scale
+        self.checked = False
+        for est in self.seqs.values():
+            est.plain_steps = max(est.plain_steps, est.explore_after)
 
     def _learn_draft(self, measured: float, steady: float, catch_up: float) -> None:
         """The draft's factors: a catch-up forward (a prefill of what was missed) is off the
@@ -442,9 +436,36 @@ class SpeculationPolicy:
             self.seqs.pop(s, None)
 
 
+def _factor(measured: float, predicted: float) -> float:
+    """measured / predicted, within FACTOR_RANGE (1 when nothing was predicted)."""
+    if predicted <= 0:
+        return 1.0
+    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+
+
+def _trusted(own: int, cap: int, risk: list[float]) -> list[int]:
+    """[cap + 1]: the most a sequence may speculate up to each k. On its own evidence it may
+    speculate `own` (Acceptance.trusted_k); beyond that, any k whose step risks no more
+    than those do were nothing accepted (risk[k]): where a wider verify is cheaper (fp32 on
+    CPU: 8 tokens measured 2.0 decodes, 3 tokens 3.6), a fresh sequence is not held to
+    the dear widths."""
+    budget = max(risk[:min(own, cap) + 1])
+    out, best = [], 0
+    for k in range(cap + 1):
+        if k <= own or risk[k] <= budget:
+            best = k
+        out.append(best)
+    return out
+
+
 def _rate(plan: Plan) -> float:
     """Expected tokens per second."""
     return plan.expected_tokens / plan.seconds
+
+
+def _steady_rate(plan: Plan) -> float:
+    """Expected tokens per second without the catch-up (a step after the first)."""
+    return plan.expected_tokens / max(plan.seconds - plan.catch_up_s / plan.horizon, 1e-9)
 
 
 def _horizon(plan: Plan, candidates: list[Candidate]) -> float:

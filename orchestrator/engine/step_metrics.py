@@ -45,7 +45,12 @@ NUM_SPEC_TOKENS = Gauge("specdecode_num_spec_tokens", "Speculative tokens per st
                         "longest any sequence speculated.")
 CHOSEN_K = Histogram("specdecode_chosen_k", "Speculation length chosen per sequence and step "
                      "(0 = plain decoding); the adaptive policy picks it from acceptance and "
-                     "measured costs.", buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+                     "measured costs. reason: why (speculate, explore, fixed for k > 0; capped, "
+                     "low_acceptance, no_match, verify_too_dear, no_budget, exploration_pending "
+                     "for k = 0).", ["reason"], buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+PREDICTED_SPEEDUP = Histogram("specdecode_predicted_speedup", "Per step, the policy's predicted "
+                              "tokens/s of the chosen k over plain decoding's (1: plain).",
+                              buckets=(0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0))
 BATCH = Histogram("specdecode_step_batch_size", "Sequences per step.", buckets=BATCH_BUCKETS)
 PHASE = Histogram("specdecode_step_phase_seconds", "Step time by phase: propose, score, "
                   "verify (rejection sampling) and overhead (the rest of the step).", ["phase"],
@@ -119,8 +124,9 @@ class StepMetrics:
         if step.grammar_s:
             GRAMMAR_SECONDS.observe(step.grammar_s)
         NUM_SPEC_TOKENS.set(step.k)
-        for k in step.chosen_k:
-            CHOSEN_K.observe(k)
+        for k, reason in zip(step.chosen_k, step.k_reasons or [""] * len(step.chosen_k)):
+            CHOSEN_K.labels(reason).observe(k)
+        PREDICTED_SPEEDUP.observe(step.predicted_speedup)
         BATCH.observe(step.batch_size)
         STEP_SECONDS.observe(step.total_s)
         overhead = step.total_s - step.propose_s - step.score_s - step.verify_s

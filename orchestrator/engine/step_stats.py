@@ -16,6 +16,12 @@ class StepStats:
     chosen_k: list[int] = field(default_factory=list)  # [B] speculation length per sequence
     predicted_scoring: str = ""  # the scoring method the policy's costs predicted ("": none)
     explore: bool = False  # the policy speculated to measure a cost, not because it pays
+    # [B] why each sequence got its k (speculation_policy.REASONS; a proposal asked for but
+    # not found is "no_match"), and the policy's predicted tokens/s of the chosen ks over
+    # plain decoding's (1: plain), and of its best speculative plan's.
+    k_reasons: list[str] = field(default_factory=list)
+    predicted_speedup: float = 1.0
+    best_speculative_speedup: float = 1.0
     draft_tokens: int = 0
     # Draft tokens that passed the accept test, even after an earlier rejection in their row
     # (vLLM 0.4.2's accepted_tokens: an alignment measure; may exceed what was emitted).

@@ -85,9 +85,10 @@ class ModelInfo(_message.Message):
     @_builtins.property
     def forward_cost(self) -> Global___ForwardCost:
         """Measured cost of one forward pass of this model on its device (at start-up, refreshed
-        from live forward timings). Unset for the n-gram proposer, which runs no model. The
-        orchestrator's speculation policy uses the proposer's (one draft step: rows x 1 token)
-        and the scorer's (decode: rows x 1; verify: rows x k+1) to pick k.
+        from live forward timings, re-measured while the service is idle when they drift).
+        Unset for the n-gram proposer, which runs no model. The orchestrator's speculation
+        policy uses the proposer's (one draft step: rows x 1 token; a catch-up: rows x the
+        tokens missed) and the scorer's (decode: rows x 1; verify: rows x k+1) to pick k.
         """
 
     def __init__(
@@ -115,8 +116,9 @@ Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
 @_typing.final
 class ForwardCost(_message.Message):
     """Seconds of one forward pass for a grid of batch rows x query tokens per row, measured on
-    a warm KV cache. Between grid points the cost is interpolated linearly; beyond the last
-    row count, scaled by rows.
+    a warm KV cache at every width up to the widest the orchestrator prices (max k + 1).
+    Between row counts the cost is interpolated linearly; beyond the last row count, scaled
+    by rows; between or beyond measured widths, linearly (a draft's catch-up).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -124,6 +126,11 @@ class ForwardCost(_message.Message):
     ROWS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """How many times the service re-measured the table since it started (0: the start-up
+    table); the orchestrator adopts a table whose version is newer than the one it holds.
+    """
     @_builtins.property
     def rows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Batch sizes (rows) measured, ascending."""
@@ -144,10 +151,11 @@ class ForwardCost(_message.Message):
         rows: _abc.Iterable[_builtins.int] | None = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         seconds: _abc.Iterable[_builtins.float] | None = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds", "tokens", b"tokens", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

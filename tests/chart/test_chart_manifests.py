@@ -29,9 +29,10 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
     "proposer": {"--model", "--device", "--dtype", "--deterministic", "--host", "--port", "--metrics-port",
-                 "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb"},
+                 "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb", "--calibration-width"},
     "scorer": {"--model", "--device", "--dtype", "--deterministic", "--scoring", "--host", "--port",
-               "--metrics-port", "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb"},
+               "--metrics-port", "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb",
+               "--calibration-width"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
@@ -168,6 +169,8 @@ def test_values_reach_the_flags(helm):
     assert args_map(server(docs, "proposer"))["--deterministic"] == "off"
     assert args_map(server(helm.render(), "scorer"))["--deterministic"] == "on"
     assert {args_map(server(docs, c))["--sequence-lease-seconds"] for c in ("proposer", "scorer")} == {"45"}
+    for component in ("proposer", "scorer"):  # their cost tables time every verify width
+        assert args_map(server(docs, component))["--calibration-width"] == "8"
     for component in COMPONENTS:
         flags = args_map(server(docs, component))
         assert flags["--max-message-mb"] == "128" and flags["--host"] == "::"

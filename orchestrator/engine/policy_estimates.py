@@ -1,0 +1,208 @@
+"""What the speculation policy knows of a sequence and expects of a step: acceptance and
+continuation estimates (decayed counts), and the distribution of proposal lengths that
+prices a batch's verify by its longest proposal (docs/design.md, adaptive speculation).
+
+With per-token acceptance α and a draft that goes on after each proposal with probability
+c (early stop), a sequence asking for k proposals emits on average
+
+    E(α, k, c) = 1 + Σ_{j=1..k} c^(j-1) α^j
+
+tokens (the accepted prefix plus the target's token), and its proposal length L has
+P(L >= j) = c^(j-1) for 1 <= j <= k (an n-gram proposer: L = k when it finds a match, with
+the sequence's match rate r, else 0). A batch's verify is as wide as its longest proposal
+plus one: P(max_i L_i <= m) = Π_i P(L_i <= m).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specdecode.cost_model import ForwardCosts
+
+EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
+PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
+OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
+TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
+
+
+def expected_tokens(alpha: float, k: int, cont: float = 1.0) -> float:
+    """E(α, k, c): tokens one sequence emits from up to k proposals at per-token acceptance
+    α, when the draft goes on after each proposal with probability `cont` (early stop)."""
+    if k <= 0:
+        return 1.0
+    if cont >= 1.0:
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return 1.0 + sum(cont ** (j - 1) * alpha ** j for j in range(1, k + 1))
+
+
+def length_pmf(k: int, cont: float = 1.0, rate: float = 1.0,
+               draft_model: bool = True) -> list[float]:
+    """[k+1]: P(L = j), the proposal length returned when asking for k. A draft model
+    proposes at least one token and stops early after position j with probability
+    1 - cont; an n-gram proposer proposes k with probability `rate` (a match), else 0."""
+    if k <= 0:
+        return [1.0]
+    if not draft_model:
+        return [1.0 - rate] + [0.0] * (k - 1) + [rate]
+    return [0.0] + [cont ** (j - 1) * (1.0 - cont) for j in range(1, k)] + [cont ** (k - 1)]
+
+
+def point_pmf(n: int) -> list[float]:
+    """A proposal length known to be n (a step that ran)."""
+    return [0.0] * n + [1.0]
+
+
+def longest_pmf(pmfs: list[list[float]]) -> list[float]:
+    """P(max_i L_i = m) for m = 0 .. the longest k: what a batch's verify width follows."""
+    top = max(len(p) for p in pmfs)
+    cdfs = []
+    for p in pmfs:
+        acc, cdf = 0.0, []
+        for m in range(top):
+            acc += p[m] if m < len(p) else 0.0
+            cdf.append(min(acc, 1.0))
+        cdfs.append(cdf)
+    joint = [1.0] * top
+    for cdf in cdfs:
+        joint = [a * b for a, b in zip(joint, cdf)]
+    return [joint[0]] + [joint[m] - joint[m - 1] for m in range(1, top)]
+
+
+def longer_than(pmf: list[float], s: int) -> float:
+    """P(L > s)."""
+    return sum(pmf[s + 1:])
+
+
+def mean_length(pmf: list[float]) -> float:
+    return sum(j * p for j, p in enumerate(pmf))
+
+
+def total_pmf(pmfs: list[list[float]]) -> list[float]:
+    """P(Σ_i L_i = t): the proposal tokens a batch verifies."""
+    out = [1.0]
+    for p in pmfs:
+        nxt = [0.0] * (len(out) + len(p) - 1)
+        for t, a in enumerate(out):
+            for n, b in enumerate(p):
+                nxt[t + n] += a * b
+        out = nxt
+    return out
+
+
+def verify_extra(costs: ForwardCosts, method: str, pmfs: list[list[float]],
+                 factor: Callable[[int], float]) -> float:
+    """Expected seconds of a step's verify beyond a decode (V(B, 1)), pmfs[i] the
+    distribution of row i's proposal length, each width w's cost times factor(w) (what was
+    measured there). Priced as it runs: multi-query feeds every row its own L_i + 1 query
+    tokens (packed, not padded), so a forward of B rows and Σ(L_i + 1) tokens costs the
+    table at B rows and their mean width; batch expansion feeds B + Σ L_i rows (at their
+    mean), each padded to the longest proposal M + 1. Nothing proposed: the call is a
+    decode."""
+    B = len(pmfs)
+    decode = costs(B, 1)
+    if method == "multi-query":
+        return sum(p * (costs(B, 1 + t / B) - decode) * factor(round(1 + t / B))
+                   for t, p in enumerate(total_pmf(pmfs)) if t and p)
+    rows = round(B + sum(mean_length(p) for p in pmfs))
+    return sum(p * (costs(rows, m + 1) - decode) * factor(m + 1)
+               for m, p in enumerate(longest_pmf(pmfs)) if m and p)
+
+
+def verify_width(method: str, lens: list[int]) -> int:
+    """The width a scoring call of proposal lengths `lens` is priced at (verify_extra): the
+    mean for multi-query, the longest for batch expansion (1: nothing proposed)."""
+    if not any(lens):
+        return 1
+    return round(1 + sum(lens) / len(lens)) if method == "multi-query" else max(lens) + 1
+
+
+def draft_seconds(costs: ForwardCosts, pmfs: list[list[float]],
+                  behind: list[int]) -> tuple[float, float]:
+    """The draft table's seconds for a step's forwards: (steady, catch-up). Forward s
+    (s >= 1) runs while any row is still drafting (P(L_i > s)), over the rows that are
+    (their expected count, given that it runs); the first reads what each row missed
+    (padded to the longest), of which up to 2 tokens (the bonus token, and the last
+    proposal when all were accepted) are the steady state and the rest is catch-up."""
+    drafting = [i for i, p in enumerate(pmfs) if len(p) > 1]
+    width = max((behind[i] for i in drafting), default=1)
+    steady = 0.0
+    for s in range(1, max(len(p) for p in pmfs) - 1):
+        stay = [longer_than(pmfs[i], s) for i in drafting]
+        none = 1.0
+        for q in stay:
+            none *= 1.0 - q
+        if none < 1.0:
+            steady += (1.0 - none) * costs(max(1.0, sum(stay) / (1.0 - none)), 1)
+    first = costs(len(drafting), min(width, 2))
+    return steady + first, max(costs(len(drafting), width) - first, 0.0)
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of one sequence's (or all sequences') verification outcomes."""
+
+    accepted: float = 0.0  # draft tokens accepted before the first rejection
+    tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
+    proposed: float = 0.0  # steps where the proposer returned tokens ...
+    asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
+    continued: float = 0.0  # draft positions after which the draft went on ...
+    tested: float = 0.0  # ... out of those where it could have stopped early
+    speculated: bool = False  # it ever had a proposal verified
+    plain_steps: int = 0  # steps without a proposal since it last had one ...
+    plain_s: float = 0.0  # ... and their predicted seconds (its exploration budget)
+    explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
+    exploring: bool = False  # its last speculative step was an exploration
+
+    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+    def trusted_k(self) -> int:
+        """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
+        accepted tokens, at least TRUST_START."""
+        return max(TRUST_START, int(TRUST_GROWTH * self.accepted))
+
+    def proposal_rate(self, weight: float = 1.0) -> float:
+        return (self.proposed + weight) / (self.asked + weight)
+
+    def continuation(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """How often the draft goes on after a proposal (1: it never stops early)."""
+        return (self.continued + weight * prior) / (self.tested + weight)
+
+    def drafted(self, asked: int, proposed: int, decay: float) -> None:
+        """A draft model returned `proposed` of `asked` tokens: it went on after each but
+        the last, and stopped early after the last when it is short of what was asked."""
+        if not proposed:
+            return
+        stopped = 1 if proposed < asked else 0
+        self.continued = decay * self.continued + proposed - 1
+        self.tested = decay * self.tested + proposed - 1 + stopped
+
+    def update(self, asked: int, proposed: int, accepted: int, decay: float) -> None:
+        """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
+        prefix length (tokens emitted - 1)."""
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        if asked:
+            self.asked = decay * self.asked + 1
+            self.proposed = decay * self.proposed + (1 if proposed else 0)
+
+    def idle(self, decay: float) -> None:
+        self.accepted *= decay
+        self.tried *= decay
+        self.plain_steps += 1
+
+
+@dataclass
+class Learned:
+    """A running mean that trusts its first samples fully (1/n) and then weighs each new one
+    OVERHEAD_WEIGHT, so one observation replaces a start-up guess and later ones track drift."""
+
+    value: float
+    n: int = 0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.value += max(OVERHEAD_WEIGHT, 1.0 / self.n) * (x - self.value)

@@ -1,0 +1,123 @@
+"""Keeping a service's forward-cost table true to its host (docs/design.md, adaptive
+speculation: calibrate what you price).
+
+A table timed at start-up on a busy host (another process on the cores, the other service
+loading) can be several times off, and live forwards refresh only the cells that traffic
+runs: with the policy decoding plainly, only the decode cells, so the verify cells stay as
+dear as the busy start-up measured them and speculation never looks worth trying. So the
+service re-measures the whole table, cell by cell, while it is idle (no call for IDLE_S),
+when
+
+- live forwards drifted off their cells (ForwardCosts.stale: DRIFT either way, DRIFT_RUN
+  in a row), or traffic ran row counts the grid lacks (they are added, MAX_ROWS at most);
+- or, with no traffic at all, a probe decode (one forward, every PROBE_S while idle) is
+  off the table's by DRIFT twice in a row.
+
+A call arriving meanwhile waits for one cell at most: the re-measurement stops and starts
+again at the next idle spell. The new table replaces the old (a new version, which the
+orchestrator adopts) when its cells moved by DRIFT (median over cells); noise does not
+churn versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from specdecode.cost_model import DRIFT, Calibration, ForwardCosts
+from specdecode.model_access import ModelAccess
+from specdecode.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 2.0  # no call for this long: the service is idle
+PROBE_S = 10.0  # while idle, a probe decode this often
+MAX_ROWS = 8  # row counts in a table at most (merged_rows)
+PROBE_CONTEXT = 8  # cached tokens of a probe decode (it refills them each time)
+
+
+def merged_rows(table: list[int], seen: set[int]) -> list[int]:
+    """The table's row counts with those traffic ran, at most MAX_ROWS: 1 and the largest
+    always, then the table's own, then the seen ones, smallest first."""
+    want = sorted(set(table) | seen)
+    keep = {1, want[-1]} | set(table)
+    for r in want:
+        if len(keep) >= MAX_ROWS:
+            break
+        keep.add(r)
+    return sorted(keep)[:MAX_ROWS]
+
+
+class Recalibrator:
+    """Re-measures `costs` in the background (run() is the task); the runner's forwards go
+    through `model`, one at a time with the service's calls."""
+
+    def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
+                 idle_s: float = IDLE_S, probe_s: float = PROBE_S):
+        self.runner, self.costs, self.model = runner, costs, model
+        self.idle_s, self.probe_s = idle_s, probe_s
+        self.off = 0  # consecutive probes off the table
+        self.next_probe = time.monotonic() + probe_s
+
+    def start(self) -> None:
+        """Run in the background on the running event loop (until it stops)."""
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.idle_s / 2)
+            try:
+                await self.step()
+            except Exception:  # a failed measurement must not end the service
+                log.exception("re-measuring the forward costs failed")
+
+    async def step(self) -> bool:
+        """One check: re-measure if the table is stale; True when it was replaced."""
+        if self.model.idle_for() < self.idle_s:
+            return False
+        if not self.costs.stale():
+            if time.monotonic() < self.next_probe or not await self._probe_off():
+                return False
+        return await self.remeasure()
+
+    async def _probe_off(self) -> bool:
+        """A probe decode; True when two in a row were off the table's by DRIFT (the
+        second follows the first at once)."""
+        probe = Calibration(self.runner, 1, 1, context=PROBE_CONTEXT)
+        try:
+            seconds = await self.model.run(probe.cell, 1, 1, traffic=False)
+        finally:
+            probe.close()  # nothing of it stays in the cache
+        table = self.costs(1, 1)
+        self.off = self.off + 1 if seconds > DRIFT * table or seconds * DRIFT < table else 0
+        self.next_probe = time.monotonic() + (0.0 if self.off == 1 else self.probe_s)
+        return self.off >= 2
+
+    async def remeasure(self) -> bool:
+        """Every cell of the table (and the row counts traffic added), while idle; False
+        when a call came first (tried again at the next idle spell) or nothing moved."""
+        rows = merged_rows(self.costs.rows, self.costs.rows_seen)
+        widths = list(self.costs.tokens)
+        session = Calibration(self.runner, max(rows), max(widths))
+        try:
+            table = []
+            for r in rows:
+                line = []
+                for w in widths:
+                    if self.model.idle_for() < self.idle_s:
+                        return False
+                    line.append(await self.model.run(session.cell, r, w, traffic=False))
+                table.append(line)
+        finally:
+            session.close()
+        measured = ForwardCosts(rows, widths, table)
+        self.off, self.next_probe = 0, time.monotonic() + self.probe_s
+        moved = self.costs.ratio(measured)
+        if rows == self.costs.rows and 1 / DRIFT <= moved <= DRIFT:
+            self.costs.replace(None)  # the table was right: no new version
+            return False
+        self.costs.replace(measured)
+        log.info("forward costs re-measured while idle (x%.2f the old table's, rows %s): "
+                 "version %d", moved, rows, self.costs.version)
+        return True

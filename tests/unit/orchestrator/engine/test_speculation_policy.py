@@ -1,0 +1,254 @@
+"""The speculation policy on measured forward-cost tables (issue 20): every width priced as
+measured, a batch's verify priced by its longest proposal, recovery from a start-up table
+taken on a busy host, and a reason for every k. Deterministic: fixed tables, no timing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from orchestrator.engine.policy_estimates import (length_pmf, longest_pmf, mean_length,
+                                                  verify_extra)
+from orchestrator.engine import speculation_policy
+from orchestrator.engine.speculation_policy import REASONS, Candidate, SpeculationPolicy
+from specdecode.cost_model import ForwardCosts
+
+# The target's fp32 forward on the 2-core EPYC, V(w) for w = 1..9 in ms (docs/benchmarks.md,
+# "Why, traced"): not monotone in the width, an 8-token verify costs 2.0 decodes and a
+# 3-token one 3.6.
+FP32_V = [410, 851, 1459, 887, 842, 939, 1195, 818, 956]
+# The target's bf16 forward there, w = 1..17 (docs/benchmarks.md, "Ceilings").
+BF16_V = [176, 167, 170, 191, 191, 205, 214, 211, 268, 281, 282, 291, 284, 294, 296, 313, 326]
+WIDTHS9 = list(range(1, 10))
+
+
+def line(ms: list[float]) -> list[float]:
+    return [m / 1000 for m in ms]
+
+
+def fp32_tables(scale: float = 1.0) -> tuple[ForwardCosts, ForwardCosts]:
+    """The measured fp32 target (one row) and a draft of a third of its decode, D2 = 2.1 D1
+    as measured (the rest of its widths grow linearly), all times x scale."""
+    d1 = 0.137
+    draft = [d1 * (1.0 if w == 1 else 2.1 if w == 2 else 0.8 + 0.3 * w) for w in WIDTHS9]
+    return (ForwardCosts([1], WIDTHS9, [[scale * s for s in line(FP32_V)]]),
+            ForwardCosts([1], WIDTHS9, [[scale * s for s in draft]]))
+
+
+def accepted_code(p: SpeculationPolicy, seq: int = 1, k: int = 8, steps: int = 20) -> None:
+    for _ in range(steps):
+        p.observe(seq, k, k, k)
+
+
+def drive(p: SpeculationPolicy, tokens: int, true: tuple[ForwardCosts, ForwardCosts],
+          rpc_s: float = 0.004, prompt: int = 20) -> list:
+    """One request of accepted code (every proposal accepted) from its first decode step,
+    the step times taken from the true tables; the draft reads what it missed (the prompt,
+    then every plain step's token) in its first forward."""
+    scorer, draft = true
+    plans, behind, left = [], prompt + 1, tokens
+    while left > 0:
+        plan = p.plan([Candidate(1, 8, behind=behind, remaining=left)])
+        k = plan.ks[0]
+        p.observe(1, k, k, k)
+        propose_s = rpc_s + draft(1, behind) + (k - 1) * draft(1, 1) if k else 0.0
+        score_s = rpc_s + scorer(1, k + 1)
+        p.observe_step(plan, [k], propose_s, score_s, propose_s + score_s + 0.002)
+        behind = 2 if k else behind + 1
+        left -= k + 1
+        plans.append(plan)
+    return plans
+
+
+# -- every width as measured --------------------------------------------------------------
+
+def test_fp32_code_speculates_at_the_cheap_widths_the_envelope_hid():
+    """fp32, code after other accepted code (a high prior), no evidence of its own yet: it
+    speculates k = 5, the widest whose step risks no more than k = 2's were nothing accepted
+    (a 3-token verify is the dear one), then k = 7 on its own evidence (an 8-token verify,
+    2.0 decodes; 1.7x plain predicted). The monotone envelope across widths priced every
+    verify wider than 2 at the 3-token cell (3.6 decodes): the defaults drafted nothing
+    (1.00x own k=0) while fixed k = 8 ran 1.44x."""
+    scorer, draft = fp32_tables()
+    p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft, prior=0.95)
+    first = p.plan([Candidate(1, 8, behind=2)])
+    assert first.ks == [5] and first.reasons == ["speculate"] and first.speedup > 1.2
+    p.observe(1, 5, 5, 5)
+    plan = p.plan([Candidate(1, 8, behind=2)])
+    assert plan.ks == [7] and plan.speedup == pytest.approx(1.7, abs=0.05)
+    enveloped = ForwardCosts([1], WIDTHS9, [[max(line(FP32_V)[:w]) for w in WIDTHS9]])
+    old = SpeculationPolicy(8, scorer_costs=enveloped, draft_costs=draft, prior=0.95)
+    assert old.plan([Candidate(1, 8, behind=2)]).ks == [0]
+
+
+# -- a batch's verify is as wide as its longest proposal ------------------------------------
+
+def test_longest_proposal_follows_the_rows_lengths():
+    pmfs = [length_pmf(5, 0.7), length_pmf(3, 0.4), length_pmf(0), length_pmf(4, rate=0.6,
+                                                                              draft_model=False)]
+    exact = [0.0] * 6
+    for combo in itertools.product(*(range(len(p)) for p in pmfs)):
+        prob = 1.0
+        for p, n in zip(pmfs, combo):
+            prob *= p[n]
+        exact[max(combo)] += prob
+    assert longest_pmf(pmfs) == pytest.approx(exact)
+    assert sum(length_pmf(6, 0.8)) == pytest.approx(1.0)
+    assert mean_length(length_pmf(3, 0.5)) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_batch_verify_is_priced_as_it_runs_on_measured_tables():
+    """bf16, 4 streams, early stop (each row goes on after a proposal with probability
+    0.7, up to 16): the verify's cost follows the rows' proposal lengths, as enumerating
+    every combination of them says. Multi-query feeds each row its own tokens (packed): the
+    table at 4 rows and their mean width. Batch expansion pads every expanded row to the
+    longest proposal + 1: priced at the longest *expected* proposal (width 4) its verify
+    would cost 18% less than its real expectation."""
+    costs = ForwardCosts([1, 4], list(range(1, 18)), [line(BF16_V), line([4 * v for v in BF16_V])])
+    pmfs = [length_pmf(16, 0.7)] * 4
+    packed = padded = 0.0
+    rows = round(4 + 4 * mean_length(pmfs[0]))
+    for combo in itertools.product(range(17), repeat=4):
+        prob = 1.0
+        for n in combo:
+            prob *= pmfs[0][n]
+        packed += prob * (costs(4, 1 + sum(combo) / 4) - costs(4, 1))
+        padded += prob * (costs(rows, max(combo) + 1) - costs(4, 1))
+    assert verify_extra(costs, "multi-query", pmfs, lambda w: 1.0) == pytest.approx(packed)
+    assert verify_extra(costs, "batch-expansion", pmfs, lambda w: 1.0) == pytest.approx(padded)
+    longest_expected = round(max(mean_length(p) for p in pmfs))
+    assert costs(rows, longest_expected + 1) - costs(4, 1) < 0.85 * padded
+
+
+def test_the_batch_k_is_chosen_jointly():
+    """Four streams on bf16 costs: two of accepted code, two of prose rejected at their first
+    token. The batch speculates the code rows at the most (their 18 verify tokens cost the
+    4-row table at width 5) and leaves the prose rows out (their proposals would cost draft
+    rows and verify tokens and gain nothing): the reasons say so."""
+    costs = ForwardCosts([1, 4], list(range(1, 10)),
+                         [line(BF16_V[:9]), line([2.2 * v for v in BF16_V[:9]])])
+    draft = ForwardCosts([1, 4], list(range(1, 10)), [[0.066] * 9, [0.09] * 9])
+    p = SpeculationPolicy(8, scorer_costs=costs, draft_costs=draft, prior=0.6)
+    for seq in (1, 2):
+        accepted_code(p, seq)
+    for seq in (3, 4):
+        for _ in range(20):
+            p.observe(seq, 4, 4, 0)
+    plan = p.plan([Candidate(s, 8, behind=2) for s in (1, 2, 3, 4)])
+    assert plan.ks == [8, 8, 0, 0]
+    assert plan.reasons == ["speculate", "speculate", "low_acceptance", "low_acceptance"]
+    assert plan.speedup > 1.5
+
+
+# -- recovering from a start-up table taken on a busy host ----------------------------------
+
+def moderate_tables(scale: float = 1.0) -> tuple[ForwardCosts, ForwardCosts]:
+    """A target whose verify costs 2% more a token, a draft at 60% of its decode: fully
+    accepted speculation runs at most 1.4x plain (not enough for a first probe at once)."""
+    return (ForwardCosts([1], WIDTHS9, [[scale * (0.2 + 0.02 * (w - 1)) for w in WIDTHS9]]),
+            ForwardCosts([1], WIDTHS9, [[scale * (0.12 + 0.01 * (w - 1)) for w in WIDTHS9]]))
+
+
+def test_a_table_measured_under_load_does_not_lock_speculation_off(monkeypatch):
+    """Both start-up tables 3x too dear (timed while busy loops held the cores), the host
+    idle since. The first plain step runs at a third of the table's decode: the factors
+    follow the host, the tables count as unchecked and the sequence is due, so a 64-token
+    request of accepted code is explored at its second step and reaches the k an
+    idle-started policy reaches (8). Without following the host (the mutant) the decode
+    alone is corrected (the additive term), every speculative step still looks 3x dear,
+    the exploration's predicted loss never fits its budget, and all 64 tokens decode
+    plainly: the issue's lock-in."""
+    true = moderate_tables()
+    idle = [plan.ks[0] for plan in drive(SpeculationPolicy(8, scorer_costs=true[0],
+                                                           draft_costs=true[1]), 64, true)]
+    busy = SpeculationPolicy(8, scorer_costs=moderate_tables(3.0)[0],
+                             draft_costs=moderate_tables(3.0)[1])
+    plans = drive(busy, 64, true)
+    assert plans[0].ks == [0] and plans[0].reasons == ["exploration_pending"]
+    assert plans[1].explore and busy.host == pytest.approx(0.34, abs=0.01)
+    assert [plan.ks[0] for plan in plans[-4:-1]] == idle[-4:-1] == [8, 8, 8]
+    assert len(plans) < 0.3 * len(idle) + len(idle)  # not slower to get there than idle
+    monkeypatch.setattr(speculation_policy, "HOST_DRIFT", float("inf"))
+    locked = drive(SpeculationPolicy(8, scorer_costs=moderate_tables(3.0)[0],
+                                     draft_costs=moderate_tables(3.0)[1]), 64, true)
+    assert not any(plan.ks[0] for plan in locked) and locked[-2].reasons == ["no_budget"]
+
+
+def test_a_remeasured_table_replaces_the_policys():
+    """The service re-measured its table while idle (specdecode.recalibration): the next
+    plan prices with it, and what was learned against the old table is forgotten."""
+    busy, true = fp32_tables(3.0), fp32_tables()
+    p = SpeculationPolicy(8, scorer_costs=busy[0], draft_costs=busy[1], prior=0.95)
+    accepted_code(p)
+    p.rpc_s.add(-0.8)
+    p.update_table("scorer", true[0])
+    p.update_table("proposer", true[1])
+    plan = p.plan([Candidate(1, 8, behind=2)])
+    assert p.scorer_costs is true[0] and p.rpc_s.n == 0 and p.host == 1.0
+    assert plan.ks == [7]
+
+
+def test_an_ngram_probe_that_finds_nothing_does_not_count():
+    """An exploration whose n-gram lookup found nothing measured nothing: the sequence stays
+    due (its wait does not double) and is probed again while its budget lasts."""
+    slow = ForwardCosts([1], WIDTHS9, [[0.1 * w for w in WIDTHS9]])  # verify never pays
+    p = SpeculationPolicy(4, scorer_costs=slow, draft_model=False)
+    ks = []
+    for step in range(40):
+        plan = p.plan([Candidate(1, 4)])
+        k = plan.ks[0]
+        found = k and step > 20
+        p.observe(1, k, k if found else 0, 0)
+        p.observe_step(plan, [k if found else 0], 0.002 if k else 0.0, 0.104, 0.11)
+        ks.append(k)
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes[0] == 8 and len(probes) >= 3  # probed again after finding nothing ...
+    assert p.seqs[1].explore_after == 16  # ... and the wait doubled once one found tokens
+
+
+# -- a reason for every k ------------------------------------------------------------------
+
+def test_every_k_has_a_reason():
+    scorer, draft = fp32_tables()
+    p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft, prior=0.3)
+    plan = p.plan([Candidate(1, 0), Candidate(2, 8, behind=2)])
+    assert plan.reasons == ["capped", "exploration_pending"] and plan.speedup == 1.0
+    assert plan.best_speedup < 1.0  # the tables say speculation would run slower
+    p.checked = True  # a speculative step measured these tables
+    assert p.plan([Candidate(2, 8, behind=2)]).reasons == ["low_acceptance"]
+    dear = ForwardCosts([1], WIDTHS9, [[0.1 * w for w in WIDTHS9]])  # a verify of w costs w decodes
+    p = SpeculationPolicy(8, scorer_costs=dear, draft_model=False)
+    p.checked = True
+    assert p.plan([Candidate(1, 8)]).reasons == ["verify_too_dear"]
+    ngram = SpeculationPolicy(8, scorer_costs=moderate_tables()[0], draft_model=False, prior=0.95)
+    ngram.checked = True
+    ngram.ngram_s.add(0.08)  # a lookup call: 80 ms
+    for _ in range(10):
+        ngram.observe(1, 4, 0, 0)  # asked, nothing found
+    assert ngram.plan([Candidate(1, 8)]).reasons == ["no_match"]
+    fixed = SpeculationPolicy(4, adaptive=False).plan([Candidate(1, 4), Candidate(2, 0)])
+    assert fixed.reasons == ["fixed", "capped"]
+    assert set(REASONS) >= {"speculate", "explore", "no_budget"}
+
+
+def test_the_step_carries_the_reasons_and_the_predicted_speedup():
+    """On the step's statistics, so on its span and in /metrics (orchestrator.engine.step_metrics:
+    specdecode_chosen_k's reason label, specdecode_predicted_speedup)."""
+    from bench.tiny_models import TinyModelSpec, build_tiny_model
+    from orchestrator.engine.request import Request
+    from specdecode.sequence import SamplingParams
+    from specdecode_stack.inprocess import build_inprocess_engine
+
+    engine = build_inprocess_engine(build_tiny_model(TinyModelSpec(seed=1)), "ngram",
+                                    "multi-query", 4, adaptive=True)
+    engine.add_request(Request("a", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=4)))
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.last_step.span_attributes())
+    assert seen[0]["specdecode.k_reasons"] == ["capped"]  # the prompt step
+    for attrs in seen:
+        assert len(attrs["specdecode.k_reasons"]) == 1 and set(attrs["specdecode.k_reasons"]) <= set(REASONS)
+        assert attrs["specdecode.predicted_speedup"] > 0
+        assert "specdecode.best_speculative_speedup" in attrs

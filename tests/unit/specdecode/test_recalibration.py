@@ -1,0 +1,95 @@
+"""Forward-cost tables that stay true to their host (issue 20): every width timed, the envelope
+across rows only, and re-measured while the service is idle when they drift. Real runners on
+a tiny random model; thresholds are far from timing noise (a table 50x off)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from bench.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.cost_model import (DRIFT, DRIFT_RUN, ForwardCosts, calibrate,
+                                   calibration_widths)
+from specdecode.model_access import ModelAccess
+from specdecode.model_runner import ModelRunner
+from specdecode.recalibration import Recalibrator, merged_rows
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(build_tiny_model(TinyModelSpec(seed=1)), CPU)
+
+
+def scaled(costs: ForwardCosts, factor: float) -> ForwardCosts:
+    return ForwardCosts(list(costs.rows), list(costs.tokens),
+                        [[factor * s for s in line] for line in costs.seconds])
+
+
+def idle_access() -> ModelAccess:
+    model = ModelAccess()
+    model.last_call = time.monotonic() - 3600  # no call for an hour
+    return model
+
+
+def test_every_width_up_to_the_widest_is_timed(runner):
+    assert calibration_widths(9) == tuple(range(1, 10))
+    assert calibration_widths(5, catch_up=True) == (1, 2, 3, 4, 5, 10, 20, 40)
+    costs = calibrate(runner, rows=(1, 2), tokens=calibration_widths(4), repeats=1, context=8)
+    assert costs.tokens == [1, 2, 3, 4] and costs.max_width == 4 and costs.version == 0
+    assert runner.num_cached_sequences == 0
+
+
+def test_a_table_measured_on_a_busy_host_is_remeasured_while_idle(runner):
+    """A table 50x too dear (timed while other work held the cores): two probe decodes in a
+    row off by more than DRIFT, then every cell re-measured, a new version."""
+    true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
+    busy = scaled(true, 50.0)
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0)
+
+    async def run() -> list[bool]:
+        return [await recalibrator.step(), await recalibrator.step()]
+    assert asyncio.run(run()) == [False, True]  # the first probe is confirmed by a second
+    assert busy.version == 1 and busy.tokens == [1, 2, 3]
+    assert busy(1, 1) < 0.2 * 50 * true(1, 1)
+
+
+def test_a_call_stops_the_remeasurement(runner):
+    """Traffic first: a call arriving while the table is re-measured waits one cell at most,
+    and the re-measurement gives up (it is tried again at the next idle spell)."""
+    model = idle_access()
+    busy = scaled(calibrate(runner, rows=(1,), tokens=(1, 2, 3, 4), repeats=1), 50.0)
+    recalibrator = Recalibrator(runner, busy, model, idle_s=1.0)
+
+    async def run() -> bool:
+        measuring = asyncio.create_task(recalibrator.remeasure())
+        await asyncio.sleep(0)  # it takes the model for its first cell
+        await model.run(lambda: None)  # a call: waits for that cell, then runs
+        return await measuring
+    assert asyncio.run(run()) is False and busy.version == 0
+
+
+def test_drift_and_new_row_counts_in_traffic_make_a_table_stale(runner):
+    costs = ForwardCosts([1], [1, 2], [[0.01, 0.012]])
+    for _ in range(DRIFT_RUN - 1):
+        costs.observe(1, 1, 0.01 * DRIFT * 2)
+    assert not costs.stale()
+    costs.observe(1, 2, 0.012 / (DRIFT * 2))  # drift either way counts
+    assert costs.stale()
+    costs.replace(None)  # re-measured and found right: no new version, evidence cleared
+    assert not costs.stale() and costs.version == 0
+    costs.observe(3, 2, 0.05)  # a 3-row verify: a row count the grid lacks
+    assert costs.stale() and costs.rows_seen == {3}
+    assert merged_rows([1, 4], {2, 3, 5, 9, 12, 16, 20, 33, 40}) == [1, 2, 3, 4, 5, 9, 12, 40]
+
+
+def test_row_counts_seen_in_traffic_are_measured_when_idle(runner):
+    costs = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
+    costs.observe(3, 2, 1.0)  # traffic ran 3 rows
+    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0)
+    assert asyncio.run(recalibrator.step()) is True
+    assert costs.rows == [1, 3] and costs.version == 1 and not costs.stale()
