@@ -12,6 +12,9 @@ from specdecode.server import ServerOptions
 from specdecode.tls import TlsFiles
 
 SPECULATION = ("adaptive", "fixed")
+# Drafting ahead (orchestrator.engine.lookahead): where the policy prices it faster (never
+# where the services share cores), always, never (lockstep).
+ASYNC_DRAFTING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class OrchestratorConfig:
     http_port: int = 0  # the OpenAI-compatible HTTP API on the same host (0 = off)
     sequence_deltas: bool = True  # step calls send what each replica lacks
     overlap: bool = False  # two groups alternate between proposer and scorer
+    async_drafting: str = "auto"  # draft the next proposal while this one is scored
     resilience: ResilienceOptions = ResilienceOptions()
     security: ServiceSecurity = ServiceSecurity()
     admission: AdmissionConfig = AdmissionConfig()

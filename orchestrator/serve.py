@@ -29,7 +29,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.engine.step_metrics import WAITING, StepMetrics
     from orchestrator.frontend.generation import ServedModel
     from orchestrator.frontend.request import RequestLimits
-    from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
+    from specdecode.model_info import (check_compatible, check_tokenizer, serving_max_model_len,
+                                       share_cores)
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
     proposer, scorer, p_info, s_info = connect_services(
@@ -47,7 +48,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
         scoring=s_info.scoring_method, draft_model=p_info.is_draft_model,
         scorer_costs=s_info.forward_cost, draft_costs=p_info.forward_cost,
         max_model_len=serving_max_model_len(p_info, s_info), trace_every=config.trace_every,
-        max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap)
+        max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap,
+        async_drafting=config.async_drafting, share_cores=share_cores(p_info, s_info))
     log_interval = float(os.environ.get("SPECDECODE_METRICS_LOG_INTERVAL", 5.0))
     parts["loop"] = loop = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                       max_running=admission.max_running)

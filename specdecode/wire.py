@@ -320,6 +320,7 @@ def model_info_to_proto(info: ModelInfo) -> model_info_pb2.ModelInfo:
 def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
     """InvalidRequestError (naming the field) when forward_cost's sizes disagree."""
     fields = {f: getattr(m, f) for f in ModelInfo.__dataclass_fields__ if f != "forward_cost"}
+    fields["cpus"] = tuple(m.cpus)
     costs = None
     if m.HasField("forward_cost"):
         c = m.forward_cost

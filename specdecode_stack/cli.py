@@ -33,7 +33,7 @@ from specdecode.tls import TlsFiles
 from specdecode.logs import configure_logging
 from specdecode.otel_setup import configure
 from specdecode.tracing import parse_trace_steps
-from orchestrator.config import SPECULATION
+from orchestrator.config import ASYNC_DRAFTING, SPECULATION
 from specdecode_stack.local import LocalStack, StackConfig
 
 if TYPE_CHECKING:
@@ -205,6 +205,10 @@ DRAFT_CONFIDENCE_HELP = ("Draft model only: stop a sequence's draft after a toke
                          "probability under the draft (greedy: its softmax; sampled: the "
                          "distribution's largest) is below this; 0 = always draft k tokens. "
                          "Output stays lossless.")
+ASYNC_DRAFTING_HELP = ("Draft the next proposal while the scorer verifies this one (used only "
+                       "when the verified prefix is the one it was drafted from; same "
+                       "output): auto where the speculation policy prices it faster (never "
+                       "when proposer and scorer share CPU cores), on always, off lockstep.")
 
 
 @serve.command("proposer")
@@ -314,6 +318,8 @@ def serve_scorer(model, scoring, device, dtype, max_model_len, kv_cache_memory, 
      help="Split the running sequences into two groups that alternate, so the proposer drafts "
           "one while the scorer verifies the other (same output; pays when they are on "
           "different hosts or cores; prompts are then not prefilled in chunks).")
+@opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
+     help=ASYNC_DRAFTING_HELP)
 @admission_options
 @server_options(DEFAULTS.port)
 @telemetry_options
@@ -324,7 +330,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
                        trace_console, log_format, service_tls_ca, service_tls_cert,
                        service_tls_key, service_token_file, max_prompt_tokens,
                        max_running_requests, max_queued_requests, max_num_batched_tokens,
-                       sequence_deltas, overlap, **server) -> None:
+                       sequence_deltas, overlap, async_drafting, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
     from orchestrator.config import (AdmissionConfig, OrchestratorConfig, ResilienceOptions,
@@ -350,7 +356,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, num_speculative_tokens, spec
             proposer=proposer, scorer=scorer, tokenizer=tokenizer,
             num_speculative_tokens=num_speculative_tokens, speculation=speculation,
             connect_timeout_s=connect_timeout, trace_every=trace_steps, http_port=http_port,
-            sequence_deltas=sequence_deltas, overlap=overlap,
+            sequence_deltas=sequence_deltas, overlap=overlap, async_drafting=async_drafting,
             resilience=ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
                                          health_interval, resolve_interval),
             security=ServiceSecurity(tls, token), admission=admission))
@@ -377,18 +383,21 @@ stack_options = option_group(
         help=DRAFT_VOCAB_HELP),
     opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
         help=DRAFT_CONFIDENCE_HELP),
+    opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
+        help=ASYNC_DRAFTING_HELP),
     click.option("--port", default=DEFAULTS.port, type=int, show_default=True,
                  help="The orchestrator's port (0 = any free port)."),
 )
 
 
 def _stack(target_model, draft_model, device, dtype, scoring, num_speculative_tokens,
-           speculation, draft_vocab_size, draft_confidence, port) -> LocalStack:
+           speculation, draft_vocab_size, draft_confidence, async_drafting, port) -> LocalStack:
     return LocalStack(StackConfig(target_model=target_model, draft_model=draft_model,
                                   device=device, dtype=dtype, scoring=scoring,
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculation=speculation, draft_vocab_size=draft_vocab_size,
-                                  draft_confidence=draft_confidence, port=port))
+                                  draft_confidence=draft_confidence,
+                                  async_drafting=async_drafting, port=port))
 
 
 def _start(stack: LocalStack) -> None:

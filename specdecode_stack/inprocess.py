@@ -22,13 +22,15 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
                            enforce_eager: bool = False,
-                           draft_confidence: float = 0.0) -> SpecDecodeEngine:
+                           draft_confidence: float = 0.0,
+                           async_drafting: str = "off") -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
     LM head to that many most frequent ids (its tokenizer.json in draft_dir ranks them;
     this modifies `draft` in place); draft_confidence: the draft stops after a token it
-    was less sure of (proposer_svc.draft)."""
+    was less sure of (proposer_svc.draft); async_drafting: draft ahead (auto never does
+    here: the proposer and scorer share this process's cores)."""
     target_runner = ModelRunner(target, device, enforce_eager=enforce_eager)
     max_len = target_runner.max_model_len
     target_costs = calibrate(target_runner) if adaptive or scoring == "auto" else None
@@ -44,4 +46,5 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target"), target_costs)
     return build_engine(proposer, scorer, k=k, adaptive=adaptive, scoring=scoring,
                         draft_model=draft != NGRAM, scorer_costs=target_costs,
-                        draft_costs=draft_costs, max_model_len=max_len)
+                        draft_costs=draft_costs, max_model_len=max_len,
+                        async_drafting=async_drafting)

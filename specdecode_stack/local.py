@@ -88,6 +88,9 @@ class StackConfig:
     # 0 = the whole vocabulary) ...
     draft_vocab_size: int = 32768
     draft_confidence: float = 0.4  # ... and stops after a token below this (0 = never)
+    # Draft the next proposal while this one is scored: auto (where it pays: never when
+    # proposer and scorer share cores, as here unless pinned apart), on, off (lockstep).
+    async_drafting: str = "auto"
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
     grace_seconds: float = 10.0
@@ -180,6 +183,7 @@ class LocalStack:
                                                               else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
                                "--speculation", c.speculation,
+                               "--async-drafting", c.async_drafting,
                                "--http-port", str(c.http_port),
                                *self._tls_args("orchestrator"), *auth, *c.orchestrator_args)
             wait_process_serving(self.address, timeout_s, orch, probe, c.log_file)

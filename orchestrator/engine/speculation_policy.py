@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from specdecode.cost_model import ForwardCosts, verify_seconds
 
 DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
@@ -184,6 +185,8 @@ class Plan:
     catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
     horizon: float = 1.0  # speculative steps the catch-up is spread over
     behind: list[int] | None = None  # [B] tokens each row's draft had to read first
+    draft_seconds: float = 0.0  # the draft's part of `seconds` in lockstep (call included)
+    ahead: bool = False  # priced drafting ahead (orchestrator.engine.lookahead_pricing)
 
 
 class SpeculationPolicy:
@@ -192,7 +195,8 @@ class SpeculationPolicy:
     def __init__(self, k_max: int, *, adaptive: bool = True,
                  scorer_costs: ForwardCosts | None = None,
                  draft_costs: ForwardCosts | None = None, draft_model: bool = True,
-                 scoring: str = "auto", prior: float = 0.6, measure_overheads: bool = True):
+                 scoring: str = "auto", prior: float = 0.6, measure_overheads: bool = True,
+                 lookahead: LookaheadPricing | None = None):
         """scorer_costs / draft_costs: measured forward costs (ModelInfo.forward_cost);
         draft_model False: an n-gram proposer (no forward cost); scoring: the scorer's
         method (auto | multi-query | batch-expansion); prior: the acceptance assumed before
@@ -206,6 +210,7 @@ class SpeculationPolicy:
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
         self.measure_overheads = measure_overheads
+        self.lookahead = lookahead  # prices drafting ahead too (None: lockstep only)
         # Learned from the steps (seconds): outside the calls; a plain scoring call beyond the
         # table's decode (RPC, and the table's error); an n-gram proposer call. Factors on
         # the tables: per verify width (on the cost beyond a decode), on the draft's forwards.
@@ -307,6 +312,9 @@ class SpeculationPolicy:
                      for a, r, k, c in zip(alphas, rates, ks, conts))
         plan = Plan(ks, "", tokens, 0.0)
         self._cost(plan, rates, conts, candidates)
+        if self.lookahead is not None:
+            self.lookahead.price(plan, alphas, [expected_len(k, c) for k, c in zip(ks, conts)],
+                                 self.step_s.value)
         return plan
 
     def _cost(self, plan: Plan, rates: list[float], conts: list[float],
@@ -325,12 +333,13 @@ class SpeculationPolicy:
             steady, catch_up = self._drafted(ks, plan.behind, conts)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
-            seconds += self._rpc() + self.draft_factor.value * steady
+            plan.draft_seconds = self._rpc() + self.draft_factor.value * steady
             if catch_up:
                 plan.horizon = _horizon(plan, candidates)
-                seconds += plan.catch_up_s / plan.horizon
+                plan.draft_seconds += plan.catch_up_s / plan.horizon
         else:
-            seconds += self.ngram_s.value
+            plan.draft_seconds = self.ngram_s.value
+        seconds += plan.draft_seconds
         # An early-stopping draft proposes fewer tokens than asked: verify what it is expected
         # to propose.
         lens = [expected_len(k, c) for k, c in zip(ks, conts)]

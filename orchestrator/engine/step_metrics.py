@@ -64,6 +64,11 @@ SERVICE_IDLE = Histogram("specdecode_step_service_idle_seconds", "Per step, the 
 FULL_RESENDS = Counter("specdecode_full_resends", "Sequences resent in full within a step "
                        "because the service lacked their prefix (restart, eviction, another "
                        "replica).", ["role"])
+LOOKAHEAD = Counter("specdecode_lookahead_sequences", "Sequence-steps that drafted ahead "
+                    "(asynchronous drafting), by outcome: hit (the next proposal was drafted "
+                    "from the real prefix and is used) or miss (dropped).", ["outcome"])
+LOOKAHEAD_TOKENS = Counter("specdecode_lookahead_tokens", "Tokens drafted ahead, and of those "
+                           "wasted (a miss's, or beyond the next step's k).", ["kind"])
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
                 "yet (they join at the next step boundary).")
@@ -113,6 +118,11 @@ class StepMetrics:
         for phase, seconds in (("propose", step.propose_s), ("score", step.score_s),
                                ("verify", step.verify_s), ("overhead", overhead)):
             PHASE.labels(phase).observe(max(seconds, 0.0))
+        if step.lookahead_hits or step.lookahead_misses:
+            LOOKAHEAD.labels("hit").inc(step.lookahead_hits)
+            LOOKAHEAD.labels("miss").inc(step.lookahead_misses)
+            LOOKAHEAD_TOKENS.labels("drafted").inc(step.lookahead_drafted)
+        LOOKAHEAD_TOKENS.labels("wasted").inc(step.lookahead_wasted)
         WIRE.labels("sent").observe(step.bytes_sent)
         WIRE.labels("received").observe(step.bytes_received)
         for role, service in step.services.items():

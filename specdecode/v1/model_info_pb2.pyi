@@ -53,6 +53,8 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     SCORING_METHOD_FIELD_NUMBER: _builtins.int
     FORWARD_COST_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Name or local path of the loaded model (e.g. "SmolLM2-135M-Instruct"), or "ngram"
     for the n-gram proposer.
@@ -76,6 +78,13 @@ class ModelInfo(_message.Message):
     (the scorer picks the cheaper of the two for each call from forward_cost).
     Empty for a proposer.
     """
+    host_id: _builtins.str
+    """Where the service runs: its host's boot id (Linux; else the host name), the same for
+    every process and container on one host, and the CPU cores it may run on (its
+    affinity). The orchestrator drafts ahead (asynchronous drafting) only for services that
+    do not share cores: there the proposer's lookahead would slow the scorer beside it.
+    Empty when unknown (then they are taken to share).
+    """
     @_builtins.property
     def forward_cost(self) -> Global___ForwardCost:
         """Measured cost of one forward pass of this model on its device (at start-up, refreshed
@@ -84,6 +93,8 @@ class ModelInfo(_message.Message):
         and the scorer's (decode: rows x 1; verify: rows x k+1) to pick k.
         """
 
+    @_builtins.property
+    def cpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -96,10 +107,12 @@ class ModelInfo(_message.Message):
         role: _builtins.str = ...,
         scoring_method: _builtins.str = ...,
         forward_cost: Global___ForwardCost | None = ...,
+        host_id: _builtins.str = ...,
+        cpus: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forward_cost", b"forward_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "host_id", b"host_id", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
