@@ -229,7 +229,7 @@ def request_to_proto(req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelReque
     return sequence_pb2.ExecuteModelRequest(
         seq_group_metadata_list=[sequence_group_metadata_to_proto(sg)
                                  for sg in req.seq_group_metadata_list],
-        num_lookahead_slots=req.num_lookahead_slots)
+        num_lookahead_slots=req.num_lookahead_slots, draft_ahead=req.draft_ahead)
 
 
 def request_from_proto(m: sequence_pb2.ExecuteModelRequest,
@@ -239,7 +239,7 @@ def request_from_proto(m: sequence_pb2.ExecuteModelRequest,
         seq_group_metadata_list=[
             sequence_group_metadata_from_proto(sg, f"{field}.seq_group_metadata_list[{i}]")
             for i, sg in enumerate(m.seq_group_metadata_list)],
-        num_lookahead_slots=m.num_lookahead_slots)
+        num_lookahead_slots=m.num_lookahead_slots, draft_ahead=m.draft_ahead)
 
 
 # --- proposals and scores -----------------------------------------------------------------

@@ -31,12 +31,17 @@ _step_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 
 
 @contextmanager
-def bounded_by(deadline: float | None) -> Iterator[None]:
-    token = _step_deadline.set(deadline)
+def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _step_deadline.reset(token)
+        var.reset(token)
+
+
+def bounded_by(deadline: float | None):
+    """The step's calls never outlive `deadline` (time.monotonic(); None: no bound)."""
+    return _scoped(_step_deadline, deadline)
 
 
 def remaining() -> float | None:
@@ -80,13 +85,9 @@ _cancel: contextvars.ContextVar[Cancel | None] = contextvars.ContextVar(
     "specdecode_call_cancel", default=None)
 
 
-@contextmanager
-def cancelled_by(cancel: Cancel | None) -> Iterator[None]:
-    token = _cancel.set(cancel)
-    try:
-        yield
-    finally:
-        _cancel.reset(token)
+def cancelled_by(cancel: Cancel | None):
+    """The calls made in this block end when `cancel` is set (CallCancelled)."""
+    return _scoped(_cancel, cancel)
 
 
 def current_cancel() -> Cancel | None:

@@ -154,7 +154,8 @@ class Lookahead:
         asked = [min(1 + k, MAX_K) for *_, k in rows]
         req = ExecuteModelRequest(
             [dataclasses.replace(sg.with_appended(x), num_speculative_tokens=m)
-             for (_, sg, x, _), m in zip(rows, asked)], num_lookahead_slots=max(asked))
+             for (_, sg, x, _), m in zip(rows, asked)], num_lookahead_slots=max(asked),
+            draft_ahead=True)
         cancel = deadlines.Cancel()
         ctx = contextvars.copy_context()
 

@@ -3,20 +3,22 @@ policy's terms (docs/design.md, *Asynchronous drafting*).
 
 With drafting ahead the proposer drafts step t+1's proposal while the scorer verifies step
 t's. When step t's lookahead hits (every proposal accepted and the draft's guess of the
-target's token right: probability h), step t+1 drafts nothing: it waits only for the part
-of the lookahead that outlasted the verify. On a miss it drafts afresh, as lockstep does:
+target's token right: probability h), step t+1 drafts nothing; on a miss it drafts afresh,
+as lockstep does. A step whose every proposal was accepted (probability a) waits for the
+part of its lookahead that outlasted the verify (the guess is known only then):
 
     lockstep:  T = O + D + V
-    ahead:     T = O + V + h max(0, D' - V) + (1 - h) D + c min(D', V)
+    ahead:     T = O + V + a max(0, D' - V) + (1 - h) D + c min(D', V)
 
 D: the policy's seconds for the step's draft (forwards and the call); D' = D (K + 1) / K, a
 lookahead drafts one token more per row (its guess of the target's); V: the scoring call; O:
 the rest of the step. c is the contention: 0 when the two services run on different hosts
 or cores, 1 when they share cores (then every lookahead forward delays the verify beside it
-as much, and drafting ahead never pays: `auto` turns it off). h = the product over the
-speculating rows of alpha^n beta: n the expected proposal length, beta how often the draft's
-guess was right when every proposal was accepted (learned from the lookaheads; alpha before
-any).
+as much, and drafting ahead never pays: `auto` turns it off). a = the product over the
+speculating rows of alpha^n (n: the expected proposal length), h = a times beta^rows, beta
+how often the draft's guess was right when every proposal was accepted (learned from the
+lookaheads; alpha before any). In a steady state h is also the chance that the step before
+hit, which is what saves this step's draft.
 
 The policy prices every plan it weighs both ways (so k is chosen for the cost that will
 run) and marks the plans that draft ahead (`Plan.ahead`). Where it does not price (fixed
@@ -52,13 +54,14 @@ class LookaheadPricing:
         D = plan.draft_seconds
         if K == 0 or D <= 0.0:
             return
-        h = 1.0
-        for a, n, k in zip(alphas, lens, plan.ks):
+        accepted = hit = 1.0
+        for alpha, n, k in zip(alphas, lens, plan.ks):
             if k:
-                h *= a ** n * self.beta(a)
+                accepted *= alpha ** n
+                hit *= alpha ** n * self.beta(alpha)
         V = max(plan.seconds - D - step_s, 0.0)
         ahead_d = D * (K + 1) / K
-        ahead = (plan.seconds - D + h * max(0.0, ahead_d - V) + (1.0 - h) * D
+        ahead = (plan.seconds - D + accepted * max(0.0, ahead_d - V) + (1.0 - hit) * D
                  + self.contention * min(ahead_d, V))
         if self.mode == "on" or ahead * AHEAD_GAIN < plan.seconds:
             plan.seconds, plan.ahead = ahead, True

@@ -79,7 +79,8 @@ class DeltaEncoder:
             groups.append(wire.sequence_group_metadata_to_proto(sg) if shared is None
                           else _delta_to_proto(sg, shared, s.hashes[shared - s.start]))
         return sequence_pb2.ExecuteModelRequest(seq_group_metadata_list=groups,
-                                                num_lookahead_slots=req.num_lookahead_slots)
+                                                num_lookahead_slots=req.num_lookahead_slots,
+                                                draft_ahead=req.draft_ahead)
 
     def commit(self, req: ExecuteModelRequest) -> None:
         """The service received `req`: its sequences' current ids are what it holds."""

@@ -80,10 +80,10 @@ class ModelInfo(_message.Message):
     """
     host_id: _builtins.str
     """Where the service runs: its host's boot id (Linux; else the host name), the same for
-    every process and container on one host, and the CPU cores it may run on (its
-    affinity). The orchestrator drafts ahead (asynchronous drafting) only for services that
-    do not share cores: there the proposer's lookahead would slow the scorer beside it.
-    Empty when unknown (then they are taken to share).
+    every process and container on one host. With `cpus`, the orchestrator drafts ahead
+    (asynchronous drafting) under `auto` only for services that share no CPU cores: where
+    they do, a proposer's lookahead slows the scorer beside it. Empty when unknown (the
+    services are then taken to share cores).
     """
     @_builtins.property
     def forward_cost(self) -> Global___ForwardCost:
@@ -94,7 +94,9 @@ class ModelInfo(_message.Message):
         """
 
     @_builtins.property
-    def cpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def cpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The CPU cores the service may run on (its affinity); empty when unknown."""
+
     def __init__(
         self,
         *,

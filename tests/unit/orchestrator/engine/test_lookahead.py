@@ -176,3 +176,28 @@ def test_tokens_drafted_ahead_follow_the_target_distribution(target_model):
         expected[path[2:]] = expected.get(path[2:], 0.0) + p
     assert all(d in expected for d in draws), "a token outside the truncated support"
     assert chi_square_pvalue(draws, expected) > 1e-3
+
+
+def test_a_full_draft_pool_drafts_nothing_ahead_rather_than_evict(draft_model):
+    """96 token slots: one sequence of 60 holds 64 (whole blocks); a second one's lookahead of
+    40 tokens would evict it, so that call proposes nothing. The same call in lockstep
+    proposes (the pool then evicts, as it always may), and a lookahead that fits drafts."""
+    from proposer_svc.draft import DraftModelProposer
+    from specdecode.model_runner import ModelRunner, RunnerRow
+    from specdecode.worker import ModelWorker
+
+    runner = ModelRunner(draft_model, torch.device("cpu"), kv_cache_memory=100 * 1024 // 2)
+    assert runner.pool.capacity_tokens == 96
+    runner.forward([RunnerRow(1, list(range(60)), 1)])
+    proposer = DraftModelProposer(ModelWorker(runner, "draft"))
+
+    def call(tokens: list[int], ahead: bool) -> int:
+        sg = SequenceGroupMetadata("r", False, {2: SequenceData(tokens[:4], tokens[4:])},
+                                   SamplingParams(), num_speculative_tokens=3)
+        req = ExecuteModelRequest([sg], num_lookahead_slots=3, draft_ahead=ahead)
+        return int(proposer.get_proposals(req).proposal_lens[0])
+
+    assert call(list(range(40)), ahead=True) == 0 and runner.pool.get(1) is not None
+    assert call(list(range(10)), ahead=True) == 3  # fits: drafted, nobody evicted
+    assert runner.pool.get(1) is not None and runner.pool.stats.evictions == 0
+    assert call(list(range(40)), ahead=False) == 3 and runner.pool.stats.evictions == 1
