@@ -73,13 +73,14 @@ class AheadStats:
 
 @dataclass
 class _Ahead:
-    """A lookahead call in flight: row i is drafted from seqs[i]'s first base[i] tokens plus
+    """A lookahead in flight: row i is drafted from seqs[i]'s first base[i] tokens plus
     assumed[i] (its proposals this step)."""
 
     seqs: list[Sequence]
     base: list[int]
     assumed: list[list[int]]
-    future: concurrent.futures.Future  # -> SpeculativeProposals, row per seq
+    guess: concurrent.futures.Future  # -> SpeculativeProposals, 1 per row, or None
+    future: concurrent.futures.Future | None  # -> (rows, their proposals after the guess)
     cancel: deadlines.Cancel
 
 
@@ -145,62 +146,77 @@ class Lookahead:
 
     def launch(self, rows: list[tuple[Sequence, SequenceGroupMetadata, list[int], int]]) -> None:
         """Draft ahead for rows (sequence, its row of the step's request, its proposals this
-        step, the next step's k): 1 + k tokens from the row with its proposals appended
-        (the draft's guess of the target's token, then the next proposal), on the worker
-        thread, in this thread's context (deadline, step span)."""
+        step, the next step's k), on the worker thread, in this thread's context (deadline,
+        step span): one call for the draft's guess of the target's token, from the row with
+        its proposals appended, then one for the next proposal after the guess (so that a
+        wrong guess is known, and the rest cancelled, as soon as the verify is back)."""
         rows = [r for r in rows if r[3] > 0]
         if not rows:
             return
-        asked = [min(1 + k, MAX_K) for *_, k in rows]
-        req = ExecuteModelRequest(
-            [dataclasses.replace(sg.with_appended(x), num_speculative_tokens=m)
-             for (_, sg, x, _), m in zip(rows, asked)], num_lookahead_slots=max(asked),
-            draft_ahead=True)
-        cancel = deadlines.Cancel()
+        guess_req = ExecuteModelRequest(
+            [dataclasses.replace(sg.with_appended(x), num_speculative_tokens=1)
+             for _, sg, x, _ in rows], num_lookahead_slots=1, draft_ahead=True)
+        ahead = _Ahead([s for s, *_ in rows], [len(s.token_ids) for s, *_ in rows],
+                       [list(x) for _, _, x, _ in rows], concurrent.futures.Future(),
+                       None, deadlines.Cancel())
         ctx = contextvars.copy_context()
 
-        def draft() -> SpeculativeProposals | None:  # None: cancelled
-            with tracing.child_span("draft_ahead", {"specdecode.batch_size": len(rows),
-                                                    "specdecode.k": req.num_lookahead_slots}
-                                    ) as span, deadlines.cancelled_by(cancel):
+        def follow(guesses: SpeculativeProposals) -> tuple[list[int], SpeculativeProposals] | None:
+            """The next proposals, after each row's guess: (rows, their proposals)."""
+            guessed = [i for i, (_, _, _, k) in enumerate(rows)
+                       if guesses.proposal_lens[i] and min(k, MAX_K - 1)]
+            if not guessed:
+                return None
+            groups = [dataclasses.replace(
+                rows[i][1].with_appended([*rows[i][2], int(guesses.proposal_token_ids[i, 0])]),
+                num_speculative_tokens=min(rows[i][3], MAX_K - 1)) for i in guessed]
+            return guessed, self._propose(ExecuteModelRequest(
+                groups, max(g.num_speculative_tokens for g in groups), draft_ahead=True))
+
+        def draft():
+            with tracing.child_span("draft_ahead", {"specdecode.batch_size": len(rows)}
+                                    ) as span, deadlines.cancelled_by(ahead.cancel):
                 try:
-                    return self._propose(req)
+                    ahead.guess.set_result(self._propose(guess_req))
+                    return follow(ahead.guess.result())
                 except deadlines.CallCancelled:
                     tracing.set_attributes(span, {"specdecode.lookahead.cancelled": True})
                     return None
-        self._ahead = _Ahead([s for s, *_ in rows], [len(s.token_ids) for s, *_ in rows],
-                             [list(x) for _, _, x, _ in rows],
-                             self._pool.submit(ctx.run, draft), cancel)
+                finally:
+                    if not ahead.guess.done():  # failed or cancelled before the guess
+                        ahead.guess.set_result(None)
+        ahead.future = self._pool.submit(ctx.run, draft)
+        self._ahead = ahead
 
     def settle(self) -> None:
         """After the step's tokens were appended: each row a hit (its next proposal is
-        kept) or a miss. Waits for the call when some row may hit (every proposal of it
-        accepted so far), else cancels it."""
+        kept) or a miss. A row may hit while every proposal it assumed was accepted and
+        the target's token is its guess; the call is cancelled as soon as none may."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
         real = [s.token_ids[b:] for s, b in zip(ahead.seqs, ahead.base)]  # [B] e, per row
-        if not any(_may_hit(s, e, x) for s, e, x in zip(ahead.seqs, real, ahead.assumed)):
-            ahead.cancel.cancel()
+        may = [_may_hit(s, e, x) for s, e, x in zip(ahead.seqs, real, ahead.assumed)]
         start = time.perf_counter()
-        proposals = _result(ahead)
+        if not any(may):
+            ahead.cancel.cancel()
+        guesses = _wait(ahead.guess)
+        self.stats.full += sum(may) if guesses is not None else 0
+        may = [m and guesses is not None and _row(guesses, i) == [e[len(x)]]
+               for i, (m, e, x) in enumerate(zip(may, real, ahead.assumed))]
+        if not any(may):
+            ahead.cancel.cancel()
+        rest = _wait(ahead.future)
         self.stats.wait_s += time.perf_counter() - start
-        for i, (seq, e, x) in enumerate(zip(ahead.seqs, real, ahead.assumed)):
-            chain = [] if proposals is None else _row(proposals, i)
-            self.stats.drafted += len(chain)
-            full = x + chain  # the chain as drafted, from the row's base
-            may_hit = proposals is not None and _may_hit(seq, e, x)
-            self.stats.full += may_hit
-            hit = may_hit and len(e) < len(full) and full[:len(e)] == e
-            if not hit:
+        chains = _chains(guesses, rest, len(ahead.seqs))
+        for seq, hit, (tokens, probs) in zip(ahead.seqs, may, chains):
+            self.stats.drafted += len(tokens)
+            if not hit or len(tokens) < 2:  # a guess alone leaves nothing to propose
                 self.stats.misses += 1
-                self.stats.wasted += len(chain)
+                self.stats.wasted += len(tokens)
                 continue
             self.stats.hits += 1
-            used = len(e) - len(x)  # chain tokens now part of the sequence (its guess g)
-            probs = (None if proposals.proposal_probs is None
-                     else proposals.proposal_probs[i, used:len(chain)])
-            self._ready[seq.seq_id] = Ready(chain[used:], probs)
+            self._ready[seq.seq_id] = Ready(tokens[1:], None if probs is None else probs[1:])
             # The draft read the chain up to its last token: it holds the new prefix.
             seq.drafted = max(seq.drafted, len(seq.token_ids))
 
@@ -228,7 +244,7 @@ class Lookahead:
         gone = {id(s) for s in seqs}
         if all(id(s) in gone or s.finish_reason for s in ahead.seqs):
             ahead.cancel.cancel()
-        _result(ahead)
+        _wait(ahead.future)
 
     def close(self) -> None:
         if self._ahead is not None:
@@ -242,14 +258,38 @@ def _may_hit(seq: Sequence, emitted: list[int], assumed: list[int]) -> bool:
             and emitted[:len(assumed)] == assumed)
 
 
-def _result(ahead: _Ahead) -> SpeculativeProposals | None:
-    """The call's proposals, or None when it was cancelled, failed or proposed nothing."""
+def _wait(future: concurrent.futures.Future):
+    """A call's result, or None when it was cancelled, failed or proposed nothing."""
     try:
-        proposals = ahead.future.result()
+        result = future.result()
     except Exception as exc:  # a failed lookahead costs its hits, never the step
         log.warning("drafting ahead failed: %s", exc)
         return None
-    return None if proposals is None or proposals.fallback == len(ahead.seqs) else proposals
+    if isinstance(result, SpeculativeProposals) and result.fallback == len(result.proposal_lens):
+        return None
+    return result
+
+
+def _chains(guesses: SpeculativeProposals | None, rest, rows: int
+            ) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Each row's tokens drafted ahead (its guess, then its next proposal) and their
+    draft distributions [n, V] (None without probabilities)."""
+    chains = [([], None)] * rows
+    if guesses is None:
+        return chains
+    for i in range(rows):
+        chains[i] = (_row(guesses, i), None if guesses.proposal_probs is None
+                     else guesses.proposal_probs[i, :int(guesses.proposal_lens[i])])
+    follow, proposals = rest if rest is not None else ([], None)
+    for j, i in enumerate(follow):
+        if proposals is None or proposals.fallback == len(follow):
+            break
+        tokens, probs = chains[i]
+        more = _row(proposals, j)
+        if probs is not None and proposals.proposal_probs is not None:
+            probs = torch.cat([probs, proposals.proposal_probs[j, :len(more)]])
+        chains[i] = (tokens + more, probs)
+    return chains
 
 
 def _row(proposals: SpeculativeProposals, i: int) -> list[int]:
