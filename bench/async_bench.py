@@ -158,7 +158,10 @@ def run_vllm(rec: Recorder, python: str, target_dir, draft_dir, dtype: str, prom
     log = log_dir / "vllm.log"
     cmd = [python, str(Path(__file__).resolve().parent / "vllm_serve.py"), "serve",
            str(target_dir), "--dtype", dtype, "--port", str(port), "--max-model-len", "2048",
-           "--speculative-config", spec, "--served-model-name", "target"]
+           "--speculative-config", spec, "--served-model-name", "target",
+           # On the CPU backend this is the share of host memory it reserves (the default,
+           # 0.92, exceeds what a shared 24 GiB machine has free).
+           "--gpu-memory-utilization", "0.35"]
     with open(log, "w") as f:
         server = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     try:
