@@ -12,6 +12,9 @@ from specdecode.server import ServerOptions
 from specdecode.tls import TlsFiles
 
 SPECULATION = ("adaptive", "fixed")
+# Drafting ahead (orchestrator.engine.lookahead): where the policy prices it faster (never
+# where the services share cores), always, never (lockstep).
+ASYNC_DRAFTING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class OrchestratorConfig:
     sequence_deltas: bool = True  # step calls send what each replica lacks
     overlap: bool = False  # two groups alternate between proposer and scorer
     grammar_compile_timeout_s: float = 5.0  # a structured output request's grammar, at most
+    async_drafting: str = "auto"  # draft the next proposal while this one is scored
     resilience: ResilienceOptions = ResilienceOptions()
     security: ServiceSecurity = ServiceSecurity()
     admission: AdmissionConfig = AdmissionConfig()

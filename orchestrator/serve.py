@@ -31,7 +31,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.frontend.request import RequestLimits
     from specdecode.grammar.matcher import Grammars
     from specdecode.grammar.metrics import export_grammar_metrics
-    from specdecode.model_info import check_compatible, check_tokenizer, serving_max_model_len
+    from specdecode.model_info import (check_compatible, check_tokenizer, serving_max_model_len,
+                                       share_cores)
     from specdecode.models import load_tokenizer, tokenizer_fingerprint
 
     proposer, scorer, p_info, s_info = connect_services(
@@ -51,7 +52,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
         scorer_costs=s_info.forward_cost, draft_costs=p_info.forward_cost,
         max_model_len=serving_max_model_len(p_info, s_info), trace_every=config.trace_every,
         max_num_batched_tokens=admission.max_num_batched_tokens, overlap=config.overlap,
-        grammars=None if isinstance(compiler, str) else Grammars(compiler))
+        grammars=None if isinstance(compiler, str) else Grammars(compiler),
+        async_drafting=config.async_drafting, share_cores=share_cores(p_info, s_info))
     if engine.policy.adaptive:  # the services' re-measured tables replace the start-up ones
         from orchestrator.cluster.cost_refresh import CostRefresh
         parts["refresh"] = CostRefresh.started(engine.policy, {"proposer": (proposer, p_info),

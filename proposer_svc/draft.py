@@ -5,6 +5,10 @@ A greedy sequence proposes the draft's argmax; a sampled one draws from the draf
 truncated distribution q, which is returned so rejection sampling stays lossless.
 Each forward pass is a `draft_model.forward` span.
 
+A call that drafts ahead (ExecuteModelRequest.draft_ahead, asynchronous drafting) proposes
+nothing when its rows' KV state does not fit in the pool beside everyone else's: a lookahead
+never evicts another sequence's prefix.
+
 Early stop (`confidence` > 0): a sequence stops drafting after a token its draft was unsure
 of, the largest probability of that position's distribution (greedy: the argmax's softmax
 probability; sampled: max q) below `confidence`. The unsure token is still proposed (its
@@ -41,6 +45,9 @@ class DraftModelProposer(SpeculativeProposer):
         groups = execute_model_req.seq_group_metadata_list
         k = execute_model_req.num_lookahead_slots
         k_seq = [speculation_len(sg, k, self.worker.max_model_len) for sg in groups]  # [B]
+        if execute_model_req.draft_ahead and not self.worker.runner.fits(
+                {sg.kv_cache_id: sg.data.get_len() + n for sg, n in zip(groups, k_seq)}):
+            k_seq = [0] * len(groups)  # a full pool drafts nothing ahead: no one is evicted
         want_probs = wants_probs(groups)
         early_stop = self.confidence > 0.0
         drafted: list[list[int]] = [[] for _ in groups]

@@ -25,6 +25,9 @@ class SpeculativeProposals:
     # Sequences whose proposals were lost (a proposer replica failed or timed out): they
     # decode plainly this step, and the step's proposer time says nothing of its cost.
     fallback: int = 0
+    # Sequences whose proposals were drafted ahead, during the previous step's scoring
+    # (orchestrator.engine.lookahead): this step's proposer time does not include theirs.
+    ahead: int = 0
 
     def validate(self, req: ExecuteModelRequest, vocab_size: int, max_model_len: int) -> None:
         """Check proposals a peer sent for step `req` before any tensor op reads them (their

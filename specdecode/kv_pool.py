@@ -91,6 +91,19 @@ class KVPool:
         """Drop entries; returns how many existed."""
         return sum(self._drop(i) for i in cache_ids)
 
+    def fits(self, rows: dict[int, int]) -> bool:
+        """Whether entries of rows[cache_id] tokens each fit beside every other entry, with
+        nothing evicted (the slots free now, whole blocks; at most max_num_seqs entries)."""
+        new = [c for c in rows if c not in self._entries]
+        if len(self._entries) + len(new) > self.max_num_seqs:
+            return False
+        extra = 0
+        for cache_id, tokens in rows.items():
+            entry = self._entries.get(cache_id)
+            extra += self._blocks(max(tokens - (entry.capacity if entry else 0), 0))
+        free = self.num_blocks - sum(e.capacity for e in self._entries.values()) // self.block_size
+        return extra <= free
+
     # -- reserving room ----------------------------------------------------------------------
     def reserve(self, cache_id: int, tokens: int, keep: int, pinned: set[int]) -> PoolEntry:
         """An entry for `cache_id` with room for `tokens` tokens whose first `keep` cached

@@ -3,7 +3,9 @@ together (docs/design.md, invariant 4: compatibility is checked, not assumed).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # cost_model loads torch; the command line's client path must not
@@ -15,6 +17,22 @@ NGRAM = "ngram"  # the proposer model name (and --model value) of prompt-lookup 
 
 class IncompatibleModelsError(ValueError):
     pass
+
+
+def host_id() -> str:
+    """This host's boot id (the same in every container on it), else its name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def cpus() -> tuple[int, ...]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -29,11 +47,24 @@ class ModelInfo:
     scoring_method: str = ""  # scorer only: batch-expansion | multi-query | auto
     forward_cost: ForwardCosts | None = None  # measured; None for the n-gram proposer
     structured_output: bool = False  # builds grammar masks (has the model's tokenizer)
+    # Where the service runs (this process, where it is built): its host and CPU cores.
+    host_id: str = field(default_factory=host_id)
+    cpus: tuple[int, ...] = field(default_factory=cpus)
 
     @property
     def is_draft_model(self) -> bool:
         """A proposer that runs a model (n-gram reports vocab_size 0: no forward, no KV)."""
         return self.vocab_size > 0
+
+
+def share_cores(a: ModelInfo, b: ModelInfo) -> bool:
+    """Whether two services' forwards compete for the same CPU cores: both on the CPU of
+    one host with a core in common (unknown placement counts as shared)."""
+    if a.device != "cpu" and b.device != "cpu":
+        return False
+    if not (a.host_id and b.host_id and a.cpus and b.cpus):
+        return True
+    return a.host_id == b.host_id and bool(set(a.cpus) & set(b.cpus))
 
 
 def check_compatible(proposer: ModelInfo, scorer: ModelInfo) -> None:

@@ -182,6 +182,10 @@ class ModelRunner:
     def max_cached_sequences(self) -> int:
         return self.pool.max_num_seqs
 
+    def fits(self, rows: dict[int, int]) -> bool:
+        """Whether cache entries of rows[cache_id] tokens fit with nothing evicted."""
+        return self.pool.fits(rows)
+
     def release(self, cache_ids: list[int]) -> int:
         """Drop cache entries; returns how many existed."""
         return self.pool.release(cache_ids)

@@ -181,6 +181,9 @@ class ExecuteModelRequest:
 
     seq_group_metadata_list: list[SequenceGroupMetadata]
     num_lookahead_slots: int = 0  # k: speculative tokens per sequence this step
+    # Proposals drafted ahead of their verification (asynchronous drafting): a proposer
+    # with a KV pool proposes nothing rather than evict another sequence's state for them.
+    draft_ahead: bool = False
 
     def clone(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> ExecuteModelRequest:
         return dataclasses.replace(self, seq_group_metadata_list=seq_group_metadata_list)

@@ -264,7 +264,7 @@ def request_to_proto(req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelReque
     return sequence_pb2.ExecuteModelRequest(
         seq_group_metadata_list=[sequence_group_metadata_to_proto(sg)
                                  for sg in req.seq_group_metadata_list],
-        num_lookahead_slots=req.num_lookahead_slots)
+        num_lookahead_slots=req.num_lookahead_slots, draft_ahead=req.draft_ahead)
 
 
 def request_from_proto(m: sequence_pb2.ExecuteModelRequest,
@@ -274,7 +274,7 @@ def request_from_proto(m: sequence_pb2.ExecuteModelRequest,
         seq_group_metadata_list=[
             sequence_group_metadata_from_proto(sg, f"{field}.seq_group_metadata_list[{i}]")
             for i, sg in enumerate(m.seq_group_metadata_list)],
-        num_lookahead_slots=m.num_lookahead_slots)
+        num_lookahead_slots=m.num_lookahead_slots, draft_ahead=m.draft_ahead)
 
 
 # --- proposals and scores -----------------------------------------------------------------
@@ -356,6 +356,7 @@ def model_info_to_proto(info: ModelInfo) -> model_info_pb2.ModelInfo:
 def model_info_from_proto(m: model_info_pb2.ModelInfo) -> ModelInfo:
     """InvalidRequestError (naming the field) when forward_cost's sizes disagree."""
     fields = {f: getattr(m, f) for f in ModelInfo.__dataclass_fields__ if f != "forward_cost"}
+    fields["cpus"] = tuple(m.cpus)
     costs = None
     if m.HasField("forward_cost"):
         c = m.forward_cost

@@ -25,7 +25,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
                            enforce_eager: bool = False,
                            draft_confidence: float = 0.0, tokenizer=None,
-                           deterministic: bool = False) -> SpecDecodeEngine:
+                           deterministic: bool = False,
+                           async_drafting: str = "off") -> SpecDecodeEngine:
     """target: a loaded causal LM; draft: another (sharing its vocabulary), or "ngram".
     scoring: batch-expansion | multi-query | auto; adaptive: k per sequence and step from
     measured costs (else every sequence speculates k); draft_vocab_size: prune the draft's
@@ -33,7 +34,9 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     this modifies `draft` in place); draft_confidence: the draft stops after a token it
     was less sure of (proposer_svc.draft); tokenizer: the models' (transformers), for
     structured output (the draft and the target each keep their grammar states);
-    deterministic: row-invariant numerics in both models (specdecode.invariant_ops)."""
+    deterministic: row-invariant numerics in both models (specdecode.invariant_ops);
+    async_drafting: draft ahead (auto never does here: the proposer and scorer share this
+    process's cores)."""
     compiler = None if tokenizer is None else GrammarCompiler(tokenizer,
                                                               target.config.vocab_size)
     grammars = (lambda: None) if compiler is None else (lambda: Grammars(compiler))
@@ -57,4 +60,5 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     scorer = make_scorer(scoring, ModelWorker(target_runner, "target", grammars()), target_costs)
     return build_engine(proposer, scorer, k=k, adaptive=adaptive, scoring=scoring,
                         draft_model=draft != NGRAM, scorer_costs=target_costs,
-                        draft_costs=draft_costs, max_model_len=max_len, grammars=grammars())
+                        draft_costs=draft_costs, max_model_len=max_len, grammars=grammars(),
+                        async_drafting=async_drafting)

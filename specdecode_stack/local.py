@@ -92,6 +92,9 @@ class StackConfig:
     # Row-invariant numerics in both services (docs/design.md, Invariant numerics):
     # auto (on in bfloat16/float16) | on | off
     deterministic: str = "auto"
+    # Draft the next proposal while this one is scored: auto (where it pays: never when
+    # proposer and scorer share cores, as here unless pinned apart), on, off (lockstep).
+    async_drafting: str = "auto"
     host: str = "127.0.0.1"  # what the three bind (0.0.0.0 = every interface)
     port: int = 50051  # the orchestrator's; 0 = any free port
     http_port: int = 0  # the orchestrator's OpenAI-compatible HTTP API; 0 = off
@@ -211,6 +214,7 @@ class LocalStack:
                                                               else "none"),
                                "--num-speculative-tokens", str(c.num_speculative_tokens),
                                "--speculation", c.speculation,
+                               "--async-drafting", c.async_drafting,
                                "--http-port", str(c.http_port),
                                *(["--served-model-name", c.served_model_name]
                                  if c.served_model_name else []),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.config import SPECULATION
+from orchestrator.config import ASYNC_DRAFTING, SPECULATION
 from scorer_svc.methods import SCORING_CHOICES
 from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.limits import MAX_K
@@ -123,6 +123,10 @@ service_security_options = option_group(
              "(logged as a warning)."))
 
 
+ASYNC_DRAFTING_HELP = ("Draft the next proposal while the scorer verifies this one (used only "
+                       "when the verified prefix is the one it was drafted from; same "
+                       "output): auto where the speculation policy prices it faster (never "
+                       "when proposer and scorer share CPU cores), on always, off lockstep.")
 DETERMINISTIC_CHOICES = ("auto", "on", "off")
 DETERMINISTIC_HELP = ("on: row-invariant numerics, so that a sequence's logits do not depend "
                       "on its batch, its number of query tokens or the replica (greedy output "
@@ -256,6 +260,8 @@ orchestrator_service_options = option_group(
         help="Split the running sequences into two groups that alternate, so the proposer drafts "
              "one while the scorer verifies the other (same output; pays when they are on "
              "different hosts or cores; prompts are then not prefilled in chunks)."),
+    opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
+        help=ASYNC_DRAFTING_HELP),
     opt("--service-tls-ca", default=None, type=click.Path(dir_okay=False),
         help="PEM CA that signs the proposer's and scorer's certificates: connect to them over "
              "TLS (checking the certificate against the --proposer/--scorer host name), "
@@ -334,6 +340,8 @@ stack_speculation_options = option_group(
         type=click.IntRange(0, MAX_K), help="The most draft tokens per step."),
     opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
         help="adaptive: k per sequence and step from measured costs; fixed: always k."),
+    opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
+        help=ASYNC_DRAFTING_HELP),
 )
 
 _stack_port = plain("--port", default=DEFAULTS.port, type=int,

@@ -27,7 +27,7 @@ from prometheus_client import Counter
 
 from orchestrator.engine import deadlines
 from orchestrator.config import ResilienceOptions, ServiceSecurity
-from orchestrator.engine.deadlines import CallTimeout, step_tokens
+from orchestrator.engine.deadlines import CallCancelled, CallTimeout, step_tokens
 from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
 from orchestrator.cluster.replicas import ReplicaSet
 from specdecode.errors import DeadlinePassedError, ServiceUnavailableError
@@ -119,6 +119,8 @@ class _Routed:
             try:
                 done[address] = (sub_rows, future.result())
                 self.replicas.succeeded(address)
+            except CallCancelled:
+                raise  # the engine stopped it: the replica did nothing wrong
             except Exception as exc:
                 left = deadlines.remaining()
                 if left is not None and left <= 0:  # the clients' deadline, not the replica's

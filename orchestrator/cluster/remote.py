@@ -17,6 +17,7 @@ import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.config import ServiceSecurity
+from orchestrator.engine.deadlines import CallCancelled, current_cancel
 from specdecode.deltas.encoder import DeltaEncoder
 from specdecode import tracing, wire
 from orchestrator.cluster.routing import split_address
@@ -139,9 +140,8 @@ class _Remote:
                 **self._peer_attributes}, kind=SpanKind.CLIENT,
                 tracer_name="specdecode.client") as span:
             try:
-                response = getattr(self.stub, name)(
-                    request, timeout=self.timeout_s if timeout is None else timeout,
-                    metadata=tracing.trace_metadata())
+                response = self._invoke(name, request,
+                                        self.timeout_s if timeout is None else timeout)
             except grpc.RpcError as exc:
                 if span.is_recording() and isinstance(exc, grpc.Call):
                     span.set_attribute("rpc.grpc.status_code", exc.code().value[0])
@@ -155,6 +155,23 @@ class _Remote:
                                      "specdecode.wire.bytes_sent": sent,
                                      "specdecode.wire.bytes_received": received})
         return response
+
+    def _invoke(self, name: str, request, timeout: float):
+        """The call; under a Cancel (orchestrator.engine.deadlines.cancelled_by) one that
+        stops on the wire when cancelled, raising CallCancelled."""
+        method, cancel = getattr(self.stub, name), current_cancel()
+        if cancel is None:
+            return method(request, timeout=timeout, metadata=tracing.trace_metadata())
+        call = method.future(request, timeout=timeout, metadata=tracing.trace_metadata())
+        cancel.on_cancel(call.cancel)
+        try:
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise CallCancelled(f"{self.service}/{name} to {self.peer} cancelled") from None
+        except grpc.RpcError as exc:
+            if cancel.is_set and exc.code() == grpc.StatusCode.CANCELLED:
+                raise CallCancelled(f"{self.service}/{name} to {self.peer} cancelled") from None
+            raise
 
     def model_info(self) -> ModelInfo:
         info = self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(),

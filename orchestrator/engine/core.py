@@ -21,9 +21,11 @@ the others (see specdecode.tracing.step_span). `trace_every` keeps every Nth ste
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import itertools
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.engine import deadlines
+from orchestrator.engine.lookahead import Lookahead
+from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.overlap import OverlapPipeline, Planned
 from orchestrator.engine.postprocess import append_tokens, step_output
 from orchestrator.engine.prefill_pacing import PrefillPacer
@@ -86,13 +90,16 @@ class SpecDecodeEngine:
                  sampler: RejectionSampler | None = None, trace_every: int = 1,
                  policy: SpeculationPolicy | None = None,
                  max_num_batched_tokens: int | None = None, overlap: bool = False,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None,
+                 lookahead: LookaheadPricing | None = None):
         """policy: picks each sequence's k per step (default: fixed k, every sequence
         speculating num_speculative_tokens or its request's smaller value).
         grammars: the engine's own grammar states (structured output), for jump-forward:
         a token a sequence's grammar forces is appended with no forward at all.
         overlap: two groups of sequences alternate between proposer and scorer
         (orchestrator.engine.overlap); prompts then join whole (no chunked prefill).
+        lookahead: draft ahead where it pays (orchestrator.engine.lookahead; None = off:
+        lockstep), as the policy prices it (the policy holds the same object).
         max_num_batched_tokens: tokens one step may compute (None = no limit); longer
         prompts are prefilled in chunks across steps (see scheduler.plan_step)."""
         if num_speculative_tokens < 0:
@@ -111,6 +118,11 @@ class SpecDecodeEngine:
         self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
         self.grammars = grammars
         self._warmer: ThreadPoolExecutor | None = None  # chunks' draft calls (_warm_draft)
+        # One proposer call at a time: the step's, the overlap's and the lookahead's threads
+        # share it (an in-process proposer is not thread-safe; a service serialises anyway).
+        self._proposing = threading.Lock()
+        self.ahead_pricing = lookahead
+        self.lookahead = Lookahead(self._call_proposer) if lookahead is not None else None
         self.steps = 0  # steps run so far
         # Services key their KV caches by sequence id, and may serve several orchestrators:
         # ids carry a random 38-bit prefix of this engine and a 24-bit counter (below 2**62:
@@ -189,6 +201,7 @@ class SpecDecodeEngine:
         with deadlines.bounded_by(self._deadline(batch.seqs)):
             proposals, warming = self._propose(batch, req)
             stats.propose_s = time.perf_counter() - start
+            self._draft_ahead(batch, plan, req, proposals)  # beside the scoring call
             scores = self._score(req, proposals, warming)
         stats.score_s = time.perf_counter() - start - stats.propose_s
         emitted, passed = self._verify(req, proposals, scores)
@@ -196,6 +209,7 @@ class SpecDecodeEngine:
         ran = k > 0 and not proposals.fallback  # the proposer read every sequence
         outputs = self._postprocess(batch, plan, proposals, scores, emitted, passed,
                                     (ran, ran or warming is not None), stats)
+        self._settle_ahead(stats)
         stats.total_s = time.perf_counter() - start
         stats.observe_services({role: step_stats(counters[role], after, stats.total_s)
                                 for role, after in self._service_counters().items()})
@@ -203,8 +217,10 @@ class SpecDecodeEngine:
         # of the proposer's cost, nor one that computed a prompt of decode or verify costs:
         # their times are not learned.
         if (ran or not k) and not prefill:
-            self.policy.observe_step(plan, proposals.proposal_lens.tolist(), stats.propose_s,
-                                     stats.score_s, stats.total_s,
+            # Proposals drafted ahead cost the step no draft time: it teaches no draft cost.
+            learn = dataclasses.replace(plan, ks=[0] * len(plan.ks)) if proposals.ahead else plan
+            self.policy.observe_step(learn, proposals.proposal_lens.tolist(), stats.propose_s,
+                                     stats.score_s, stats.total_s - stats.lookahead_wait_s,
                                      {role: s.busy_s for role, s in stats.services.items()})
         self.last_step = stats
         return outputs
@@ -257,9 +273,41 @@ class SpecDecodeEngine:
     # propose
 
     def _proposals(self, req: ExecuteModelRequest) -> SpeculativeProposals:
+        """The rows' proposals: drafted ahead where ready, else from the proposer."""
         if req.num_lookahead_slots == 0:  # plain decoding: nothing to propose
             return no_proposals(len(req.seq_group_metadata_list))
-        return self.proposer.get_proposals(req)
+        if self.lookahead is None:
+            return self._call_proposer(req)
+        return self.lookahead.proposals(req, self._call_proposer)
+
+    def _call_proposer(self, req: ExecuteModelRequest) -> SpeculativeProposals:
+        with self._proposing:
+            return self.proposer.get_proposals(req)
+
+    def _draft_ahead(self, batch: Batch, plan: Plan, req: ExecuteModelRequest,
+                     proposals: SpeculativeProposals) -> None:
+        """Draft the speculating rows' next proposals while this step is scored, when the
+        plan was priced that way (or, unpriced, where the services share no cores)."""
+        if self.lookahead is None or not (plan.ahead or (
+                not self.policy.adaptive and self.ahead_pricing.unpriced())):
+            return
+        lens = proposals.proposal_lens.tolist()
+        self.lookahead.launch([
+            (seq, sg, proposals.proposal_token_ids[i, :lens[i]].tolist(), k)
+            for i, ((seq, chunk), sg, k) in enumerate(zip(
+                batch.rows, req.seq_group_metadata_list, plan.ks))
+            # not a row this step may finish (its next proposal would go unused)
+            if chunk is None and seq.decoding and k
+            and tokens_left(seq, self.max_model_len) > lens[i] + 1])
+
+    def _settle_ahead(self, stats: StepStats) -> None:
+        """The lookahead's hits and misses, now that the step's tokens are known."""
+        if self.lookahead is None:
+            return
+        self.lookahead.settle()
+        ahead = self.lookahead.take_stats()
+        stats.observe_lookahead(ahead)
+        self.ahead_pricing.observe(ahead.full, ahead.hits)
 
     def _propose(self, batch: Batch, req: ExecuteModelRequest
                  ) -> tuple[SpeculativeProposals, Future | None]:
@@ -388,6 +436,8 @@ class SpecDecodeEngine:
     def _release(self, seqs: list[Sequence]) -> None:
         """Release on both services; one failing never keeps the other's release back."""
         if seqs:
+            if self.lookahead is not None:
+                self.lookahead.quiesce(seqs)  # no lookahead call re-creates their state
             ids = [s.seq_id for s in seqs]
             self.policy.forget(ids)
             if self.grammars is not None:
@@ -402,12 +452,19 @@ class SpecDecodeEngine:
 
 def build_engine(proposer: SpeculativeProposer, scorer: SpeculativeScorer, *, k: int,
                  adaptive: bool, scoring: str, draft_model: bool, scorer_costs=None,
-                 draft_costs=None, **options) -> SpecDecodeEngine:
+                 draft_costs=None, async_drafting: str = "off", share_cores: bool = True,
+                 **options) -> SpecDecodeEngine:
     """The engine and its speculation policy, composed the one way every entry point does:
     adaptive (k per sequence and step from the services' measured forward costs, k the
-    most) or fixed (every sequence speculates k). `options`: SpecDecodeEngine's."""
+    most) or fixed (every sequence speculates k); async_drafting auto | on | off: draft
+    ahead where it pays (share_cores: the services compete for the same cores, where it
+    never does), always, or never. `options`: SpecDecodeEngine's."""
+    ahead = None if async_drafting == "off" else LookaheadPricing(
+        async_drafting, contention=1.0 if share_cores else 0.0)
     policy = SpeculationPolicy(k, adaptive=adaptive, scorer_costs=scorer_costs,
-                               draft_costs=draft_costs, draft_model=draft_model, scoring=scoring)
+                               draft_costs=draft_costs, draft_model=draft_model, scoring=scoring,
+                               lookahead=ahead)
     if adaptive and not policy.adaptive:
         log.warning("the services report no forward costs: speculating a fixed k=%d", k)
-    return SpecDecodeEngine(proposer, scorer, num_speculative_tokens=k, policy=policy, **options)
+    return SpecDecodeEngine(proposer, scorer, num_speculative_tokens=k, policy=policy,
+                            lookahead=ahead, **options)

@@ -50,7 +50,7 @@ class Planned:
         return SpeculativeProposals(
             proposal_token_ids=p.proposal_token_ids[self.rows],
             proposal_probs=None if p.proposal_probs is None else p.proposal_probs[self.rows],
-            proposal_lens=p.proposal_lens[self.rows], fallback=p.fallback)
+            proposal_lens=p.proposal_lens[self.rows], fallback=p.fallback, ahead=p.ahead)
 
 
 class OverlapPipeline:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
                                                   draft_seconds, expected_tokens, length_pmf,
                                                   point_pmf, verify_extra, verify_width)
@@ -99,6 +100,8 @@ class Plan:
     speedup: float = 1.0  # predicted tokens/s over plain decoding's (1: plain, or unpriced)
     best_speedup: float = 1.0  # the best speculative plan's (below 1: why it decodes plainly)
     reasons: list[str] = field(default_factory=list)  # [B] why each k (REASONS)
+    draft_seconds: float = 0.0  # the draft's part of `seconds` in lockstep (call included)
+    ahead: bool = False  # priced drafting ahead (orchestrator.engine.lookahead_pricing)
 
 
 class SpeculationPolicy:
@@ -107,7 +110,8 @@ class SpeculationPolicy:
     def __init__(self, k_max: int, *, adaptive: bool = True,
                  scorer_costs: ForwardCosts | None = None,
                  draft_costs: ForwardCosts | None = None, draft_model: bool = True,
-                 scoring: str = "auto", prior: float = 0.6, measure_overheads: bool = True):
+                 scoring: str = "auto", prior: float = 0.6, measure_overheads: bool = True,
+                 lookahead: LookaheadPricing | None = None):
         """scorer_costs / draft_costs: measured forward costs (ModelInfo.forward_cost);
         draft_model False: an n-gram proposer (no forward cost); scoring: the scorer's
         method (auto | multi-query | batch-expansion); prior: the acceptance assumed before
@@ -121,6 +125,7 @@ class SpeculationPolicy:
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
         self.measure_overheads = measure_overheads
+        self.lookahead = lookahead  # prices drafting ahead too (None: lockstep only)
         self.step_s, self.ngram_s = Learned(0.0), Learned(0.0)  # outside the calls; n-gram call
         self._forget_tables()
         self._newer: dict[str, ForwardCosts] = {}  # tables handed over by update_table
@@ -285,6 +290,9 @@ class SpeculationPolicy:
         plan = Plan(ks, "", tokens, 0.0)
         pmfs = [length_pmf(k, c, r, self.draft_model) for k, c, r in zip(ks, conts, rates)]
         self._cost(plan, pmfs, candidates)
+        if self.lookahead is not None:
+            lens = [sum(j * p for j, p in enumerate(pmf)) for pmf in pmfs]  # expected lengths
+            self.lookahead.price(plan, alphas, lens, self.step_s.value)
         return plan
 
     def _cost(self, plan: Plan, pmfs: list[list[float]], candidates: list[Candidate]) -> None:
@@ -302,12 +310,13 @@ class SpeculationPolicy:
             steady, catch_up = draft_seconds(self.draft_costs, pmfs, plan.behind)
             plan.draft_s, plan.catch_up = steady, catch_up
             plan.catch_up_s = self.catch_up_factor.value * catch_up
-            seconds += self._propose_rpc() + self.draft_factor.value * steady
+            plan.draft_seconds = self._propose_rpc() + self.draft_factor.value * steady
             if catch_up:
                 plan.horizon = _horizon(plan, candidates)
-                seconds += plan.catch_up_s / plan.horizon
+                plan.draft_seconds += plan.catch_up_s / plan.horizon
         else:
-            seconds += self.ngram_s.value
+            plan.draft_seconds = self.ngram_s.value
+        seconds += plan.draft_seconds
         methods = ("multi-query", "batch-expansion") if self.scoring == "auto" else (plan.scoring,)
         extra = {m: verify_extra(self.scorer_costs, m, pmfs, self._verify_factor)
                  for m in methods}

@@ -78,6 +78,11 @@ FORCED = Counter("specdecode_forced_tokens", "Tokens a grammar forced (the only 
 GRAMMAR_SECONDS = Histogram("specdecode_step_grammar_seconds", "Per step, the orchestrator's "
                             "grammar work (matchers synced, forced-token masks).",
                             buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05))
+LOOKAHEAD = Counter("specdecode_lookahead_sequences", "Sequence-steps that drafted ahead "
+                    "(asynchronous drafting), by outcome: hit (the next proposal was drafted "
+                    "from the real prefix and is used) or miss (dropped).", ["outcome"])
+LOOKAHEAD_TOKENS = Counter("specdecode_lookahead_tokens", "Tokens drafted ahead, and of those "
+                           "wasted (a miss's, or beyond the next step's k).", ["kind"])
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
                 "yet (they join at the next step boundary).")
@@ -133,6 +138,11 @@ class StepMetrics:
         for phase, seconds in (("propose", step.propose_s), ("score", step.score_s),
                                ("verify", step.verify_s), ("overhead", overhead)):
             PHASE.labels(phase).observe(max(seconds, 0.0))
+        if step.lookahead_hits or step.lookahead_misses:
+            LOOKAHEAD.labels("hit").inc(step.lookahead_hits)
+            LOOKAHEAD.labels("miss").inc(step.lookahead_misses)
+            LOOKAHEAD_TOKENS.labels("drafted").inc(step.lookahead_drafted)
+        LOOKAHEAD_TOKENS.labels("wasted").inc(step.lookahead_wasted)
         WIRE.labels("sent").observe(step.bytes_sent)
         WIRE.labels("received").observe(step.bytes_received)
         for role, service in step.services.items():

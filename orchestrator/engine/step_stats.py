@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from orchestrator.engine.lookahead import AheadStats
 from orchestrator.engine.service_stats import ServiceStats
 
 
@@ -42,6 +43,15 @@ class StepStats:
     score_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    # Drafting ahead (orchestrator.engine.lookahead): rows settled as hits / misses, tokens
+    # drafted ahead and dropped, rows whose proposals were drafted ahead, and the seconds
+    # the step waited for its lookahead after its tokens were known.
+    lookahead_hits: int = 0
+    lookahead_misses: int = 0
+    lookahead_drafted: int = 0
+    lookahead_wasted: int = 0
+    lookahead_ready: int = 0
+    lookahead_wait_s: float = 0.0
     bytes_sent: int = 0  # to the proposer and scorer (remote services only)
     bytes_received: int = 0
     services: dict[str, ServiceStats] = field(default_factory=dict)  # by role
@@ -61,6 +71,11 @@ class StepStats:
         for j in range(emitted - 1):
             self.accepted_by_position[j] += 1
 
+    def observe_lookahead(self, ahead: AheadStats) -> None:
+        self.lookahead_hits, self.lookahead_misses = ahead.hits, ahead.misses
+        self.lookahead_drafted, self.lookahead_wasted = ahead.drafted, ahead.wasted
+        self.lookahead_ready, self.lookahead_wait_s = ahead.ready, ahead.wait_s
+
     def observe_services(self, services: dict[str, ServiceStats]) -> None:
         self.services = services
         self.bytes_sent = sum(s.bytes_sent for s in services.values())
@@ -69,7 +84,7 @@ class StepStats:
     def span_attributes(self) -> dict:
         """Every count as a `specdecode.*` step span attribute (services by role)."""
         skip = {"services", "accepted_by_position", "propose_s", "score_s", "verify_s",
-                "total_s", "bytes_sent", "bytes_received"}
+                "total_s", "bytes_sent", "bytes_received", "lookahead_wait_s"}
         attrs = {f"specdecode.{f.name}": getattr(self, f.name) for f in fields(self)
                  if f.name not in skip}
         attrs["specdecode.predicted_scoring"] = self.predicted_scoring or None

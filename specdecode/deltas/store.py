@@ -34,8 +34,8 @@ def extend_hash(h: int, tokens: Iterable[int]) -> int:
     return h
 
 
-def _hashes(tokens: Iterable[int], h: int = 0) -> Iterable[int]:
-    """The hash after each token in turn."""
+def running_hashes(tokens: Iterable[int], h: int = 0) -> Iterable[int]:
+    """The hash after each token in turn, from a prefix whose hash is h."""
     for t in tokens:
         h = (h * HASH_BASE + t + 1) % HASH_MOD
         yield h
@@ -53,7 +53,7 @@ class _Record:
 
     def append(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
-        self.hashes.extend(_hashes(tokens, self.hashes[-1]))
+        self.hashes.extend(running_hashes(tokens, self.hashes[-1]))
 
 
 class TokenStore:

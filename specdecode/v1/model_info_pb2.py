@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdecode/v1/model_info.proto\x12\rspecdecode.v1\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x16\n\x0escoring_method\x18\x08 \x01(\t\x12\x30\n\x0c\x66orward_cost\x18\t \x01(\x0b\x32\x1a.specdecode.v1.ForwardCost\x12\x19\n\x11structured_output\x18\n \x01(\x08\"M\n\x0b\x46orwardCost\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\x12\x0f\n\x07version\x18\x04 \x01(\x03\"*\n\x17ReleaseSequencesRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\",\n\x18ReleaseSequencesResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especdecode/v1/model_info.proto\x12\rspecdecode.v1\"\x15\n\x13GetModelInfoRequest\"\x9a\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x16\n\x0escoring_method\x18\x08 \x01(\t\x12\x30\n\x0c\x66orward_cost\x18\t \x01(\x0b\x32\x1a.specdecode.v1.ForwardCost\x12\x19\n\x11structured_output\x18\n \x01(\x08\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\x05\"M\n\x0b\x46orwardCost\x12\x0c\n\x04rows\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\x12\x0f\n\x07version\x18\x04 \x01(\x03\"*\n\x17ReleaseSequencesRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x03\",\n\x18ReleaseSequencesResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=49
   _globals['_GETMODELINFOREQUEST']._serialized_end=70
   _globals['_MODELINFO']._serialized_start=73
-  _globals['_MODELINFO']._serialized_end=324
-  _globals['_FORWARDCOST']._serialized_start=326
-  _globals['_FORWARDCOST']._serialized_end=403
-  _globals['_RELEASESEQUENCESREQUEST']._serialized_start=405
-  _globals['_RELEASESEQUENCESREQUEST']._serialized_end=447
-  _globals['_RELEASESEQUENCESRESPONSE']._serialized_start=449
-  _globals['_RELEASESEQUENCESRESPONSE']._serialized_end=493
+  _globals['_MODELINFO']._serialized_end=355
+  _globals['_FORWARDCOST']._serialized_start=357
+  _globals['_FORWARDCOST']._serialized_end=434
+  _globals['_RELEASESEQUENCESREQUEST']._serialized_start=436
+  _globals['_RELEASESEQUENCESREQUEST']._serialized_end=478
+  _globals['_RELEASESEQUENCESRESPONSE']._serialized_start=480
+  _globals['_RELEASESEQUENCESRESPONSE']._serialized_end=524
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,8 @@ class ModelInfo(_message.Message):
     SCORING_METHOD_FIELD_NUMBER: _builtins.int
     FORWARD_COST_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    CPUS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Name or local path of the loaded model (e.g. "SmolLM2-135M-Instruct"), or "ngram"
     for the n-gram proposer.
@@ -82,6 +84,13 @@ class ModelInfo(_message.Message):
     must, for the orchestrator to accept structured output requests; a proposer that does
     not drafts unconstrained.
     """
+    host_id: _builtins.str
+    """Where the service runs: its host's boot id (Linux; else the host name), the same for
+    every process and container on one host. With `cpus`, the orchestrator drafts ahead
+    (asynchronous drafting) under `auto` only for services that share no CPU cores: where
+    they do, a proposer's lookahead slows the scorer beside it. Empty when unknown (the
+    services are then taken to share cores).
+    """
     @_builtins.property
     def forward_cost(self) -> Global___ForwardCost:
         """Measured cost of one forward pass of this model on its device (at start-up, refreshed
@@ -90,6 +99,10 @@ class ModelInfo(_message.Message):
         policy uses the proposer's (one draft step: rows x 1 token; a catch-up: rows x the
         tokens missed) and the scorer's (decode: rows x 1; verify: rows x k+1) to pick k.
         """
+
+    @_builtins.property
+    def cpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The CPU cores the service may run on (its affinity); empty when unknown."""
 
     def __init__(
         self,
@@ -104,10 +117,12 @@ class ModelInfo(_message.Message):
         scoring_method: _builtins.str = ...,
         forward_cost: Global___ForwardCost | None = ...,
         structured_output: _builtins.bool = ...,
+        host_id: _builtins.str = ...,
+        cpus: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forward_cost", b"forward_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "structured_output", b"structured_output", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "device", b"device", "dtype", b"dtype", "forward_cost", b"forward_cost", "host_id", b"host_id", "max_model_len", b"max_model_len", "model_name", b"model_name", "role", b"role", "scoring_method", b"scoring_method", "structured_output", b"structured_output", "tokenizer_fingerprint", b"tokenizer_fingerprint", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -303,8 +303,14 @@ class ExecuteModelRequest(_message.Message):
 
     SEQ_GROUP_METADATA_LIST_FIELD_NUMBER: _builtins.int
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _builtins.int
+    DRAFT_AHEAD_FIELD_NUMBER: _builtins.int
     num_lookahead_slots: _builtins.int
     """k: speculative tokens per sequence this step. Must be >= 0."""
+    draft_ahead: _builtins.bool
+    """The proposals are drafted ahead of their verification (asynchronous drafting: each
+    sequence ends with proposals assumed accepted). A proposer with a KV pool proposes
+    nothing for such a call rather than evict another sequence's state to make room.
+    """
     @_builtins.property
     def seq_group_metadata_list(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceGroupMetadata]:
         """The sequences of this step, in batch order: row i of every tensor in the proposals and
@@ -316,10 +322,11 @@ class ExecuteModelRequest(_message.Message):
         *,
         seq_group_metadata_list: _abc.Iterable[Global___SequenceGroupMetadata] | None = ...,
         num_lookahead_slots: _builtins.int = ...,
+        draft_ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_lookahead_slots", b"num_lookahead_slots", "seq_group_metadata_list", b"seq_group_metadata_list"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead", b"draft_ahead", "num_lookahead_slots", b"num_lookahead_slots", "seq_group_metadata_list", b"seq_group_metadata_list"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
