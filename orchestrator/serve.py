@@ -24,7 +24,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     IncompatibleModelsError end the process before it reports SERVING), then start the
     engine loop; what the servicer serves."""
     from orchestrator.cluster.fanout import connect_services
-    from orchestrator.engine.core import build_engine
+    from orchestrator.engine.build import build_engine
     from orchestrator.engine.loop import EngineLoop
     from orchestrator.engine.step_metrics import WAITING, StepMetrics
     from orchestrator.frontend.generation import ServedModel

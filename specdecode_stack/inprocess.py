@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.engine.core import SpecDecodeEngine, build_engine
+from orchestrator.engine.build import build_engine
+from orchestrator.engine.core import SpecDecodeEngine
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head

@@ -42,9 +42,9 @@ plain decoding.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
+from orchestrator.engine.policy_plan import Candidate, Plan, horizon, rate, steady_rate
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
                                                   draft_seconds, expected_tokens, length_pmf,
                                                   point_pmf, verify_extra, verify_width)
@@ -73,35 +73,6 @@ NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_mat
 # its budget).
 REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
            "verify_too_dear", "no_budget", "exploration_pending")
-
-
-@dataclass
-class Candidate:
-    """One sequence as the policy sees it this step."""
-
-    seq_id: int
-    cap: int  # the most it may speculate (request cap, server max, room left; 0 = none)
-    behind: int = 1  # tokens a draft model must read before proposing (1: the last one)
-    remaining: int = 1 << 30  # tokens the request may still produce
-
-
-@dataclass
-class Plan:
-    ks: list[int]  # [B] speculation length per sequence
-    scoring: str  # the scoring method the costs predict ("" when not predicted)
-    expected_tokens: float
-    seconds: float  # predicted step time (catch-up spread over the steps left)
-    explore: bool = False  # speculating although plain decoding was predicted faster
-    draft_s: float = 0.0  # the draft table's seconds for the step's steady forwards ...
-    catch_up: float = 0.0  # ... and for its catch-up (both before the learned factors)
-    catch_up_s: float = 0.0  # predicted seconds of the draft's catch-up (whole, not spread)
-    horizon: float = 1.0  # speculative steps the catch-up is spread over
-    behind: list[int] | None = None  # [B] tokens each row's draft had to read first
-    speedup: float = 1.0  # predicted tokens/s over plain decoding's (1: plain, or unpriced)
-    best_speedup: float = 1.0  # the best speculative plan's (below 1: why it decodes plainly)
-    reasons: list[str] = field(default_factory=list)  # [B] why each k (REASONS)
-    draft_seconds: float = 0.0  # the draft's part of `seconds` in lockstep (call included)
-    ahead: bool = False  # priced drafting ahead (orchestrator.engine.lookahead_pricing)
 
 
 class SpeculationPolicy:
@@ -182,19 +153,19 @@ class SpeculationPolicy:
         plain = evaluate([0] * len(caps))
         best_spec = self._search(trusted, alphas, rates, evaluate)
         best = plain
-        if best_spec is not None and _rate(best_spec) > _rate(plain) * GAIN_MARGIN:
+        if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
             best = best_spec
         # The most speculation could gain: fully accepted, every proposal found, at up to
         # the caps, its steady steps (the catch-up is a probe's price, not the gain's).
         sure = 1.0
         if not any(best.ks) and any(caps):
             full = [min(cap, c.remaining - 1, widest) for cap, c in zip(caps, candidates)]
-            sure = max((_steady_rate(evaluate([min(K, cap) for cap in full], [1.0] * len(est),
-                                              [1.0] * len(est))) / _rate(plain)
+            sure = max((steady_rate(evaluate([min(K, cap) for cap in full], [1.0] * len(est),
+                                              [1.0] * len(est))) / rate(plain)
                         for K in range(1, max(full, default=0) + 1)), default=1.0)
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
-        chosen.speedup = _rate(chosen) / _rate(plain)
-        chosen.best_speedup = _rate(best_spec) / _rate(plain) if best_spec else 1.0
+        chosen.speedup = rate(chosen) / rate(plain)
+        chosen.best_speedup = rate(best_spec) / rate(plain) if best_spec else 1.0
         chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget)
         if any(chosen.ks) and not chosen.explore:  # others' acceptance is evidence
             for a, k, cap in zip(est, chosen.ks, hard):
@@ -216,10 +187,10 @@ class SpeculationPolicy:
             while drop < len(spec):
                 left_out = set(spec[:drop])
                 trial = evaluate([0 if i in left_out else k for i, k in enumerate(ks)])
-                if _rate(trial) > _rate(plan):
+                if rate(trial) > rate(plan):
                     plan = trial
                 drop *= 2
-            if best is None or _rate(plan) > _rate(best):
+            if best is None or rate(plan) > rate(best):
                 best = plan
         return best
 
@@ -312,7 +283,7 @@ class SpeculationPolicy:
             plan.catch_up_s = self.catch_up_factor.value * catch_up
             plan.draft_seconds = self._propose_rpc() + self.draft_factor.value * steady
             if catch_up:
-                plan.horizon = _horizon(plan, candidates)
+                plan.horizon = horizon(plan, candidates)
                 plan.draft_seconds += plan.catch_up_s / plan.horizon
         else:
             plan.draft_seconds = self.ngram_s.value
@@ -465,21 +436,3 @@ def _trusted(own: int, cap: int, risk: list[float]) -> list[int]:
             best = k
         out.append(best)
     return out
-
-
-def _rate(plan: Plan) -> float:
-    """Expected tokens per second."""
-    return plan.expected_tokens / plan.seconds
-
-
-def _steady_rate(plan: Plan) -> float:
-    """Expected tokens per second without the catch-up (a step after the first)."""
-    return plan.expected_tokens / max(plan.seconds - plan.catch_up_s / plan.horizon, 1e-9)
-
-
-def _horizon(plan: Plan, candidates: list[Candidate]) -> float:
-    """Speculative steps a catch-up is spread over: the tokens the speculating sequences
-    have left, at the plan's expected tokens per sequence-step (at least 1)."""
-    left = [c.remaining for c, k in zip(candidates, plan.ks) if k]
-    per_seq_step = plan.expected_tokens / len(plan.ks)
-    return max(1.0, sum(left) / len(left) / per_seq_step)

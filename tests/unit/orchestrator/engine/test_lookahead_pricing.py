@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
-from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy, _rate
+from orchestrator.engine.policy_plan import rate
+from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy
 from specdecode.cost_model import ForwardCosts
 
 ROWS, TOKENS = [1, 4], [1, 2, 3, 5, 9]
@@ -34,7 +35,7 @@ def test_on_separate_cores_drafting_ahead_is_priced_faster_and_marked(accepted):
     assert any(lockstep.ks) and not lockstep.ahead
     assert ahead.ahead and any(ahead.ks)
     # The price is the faster of the two, for the k chosen under it.
-    assert _rate(ahead) > 1.2 * _rate(lockstep)
+    assert rate(ahead) > 1.2 * rate(lockstep)
 
 
 def test_where_the_services_share_cores_the_plan_is_locksteps():
