@@ -132,19 +132,21 @@ def test_a_stack_started_under_load_chooses_what_an_idle_started_one_does(cyclin
         ended.append(time.monotonic())
     ender = threading.Thread(target=end_load_once_the_scorer_serves, daemon=True)
     ender.start()
-    try:
-        stack.start()
-    finally:
-        ender.join(600)
-        for loop in loops:
-            loop.kill()
-    with stack:
+    try:  # one stack, started under load (`with stack` would start a second, idle one)
+        try:
+            stack.start()
+        finally:
+            ender.join(600)
+            for loop in loops:
+                loop.kill()
         # Left alone: the scorer probes while idle, re-measures, the orchestrator adopts.
         version = scorer_table(stack).version
         adopted = wait_for_log(busy_log, "adopting the scorer's re-measured forward costs",
                                ended[0] + WITHIN_S - REFRESH_S - time.monotonic())
         busy_k, busy_why = decode_steps(stack)
         remeasured = scorer_table(stack).version
+    finally:
+        stack.stop()
     # The busy start did not lock speculation out (the k = 0 for good): it chooses
     # the idle-started stack's k, within the one step that noisy times can move it.
     assert abs(busy_k.most_common(1)[0][0] - idle_mode) <= 1 and busy_k[0] < busy_k.total() / 2, (
