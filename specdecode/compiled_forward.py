@@ -40,6 +40,18 @@ class CompileStats:
     runs: int = 0  # forwards that took a compiled graph
 
 
+def compile_options(device: torch.device) -> dict:
+    """torch.compile's backend and options for `device`: CUDA graphs on CUDA; frozen,
+    prepacked weights on CPU; torch_npu's graph backend (torchair) on Ascend (NOT RUN HERE:
+    written from its documentation, no NPU was available)."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    if device.type == "npu":
+        import torchair  # noqa: PLC0415 (Ascend only)
+        return {"backend": torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())}
+    return {"options": {"freezing": True}}
+
+
 def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -56,10 +68,8 @@ class CompiledForwards:
         self.stats = CompileStats()
         limit = 4 * len(self.batch_buckets) * len(self.query_lens)  # several runners share it
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        options = {"freezing": True} if device.type == "cpu" else None
         self._compiled = torch.compile(self._static_forward, fullgraph=True, dynamic=False,
-                                       mode="reduce-overhead" if device.type == "cuda" else None,
-                                       options=options)
+                                       **compile_options(device))
 
     def _static_forward(self, input_ids, positions, kv, starts, past, new_mask, slots, window):
         """input_ids, positions, slots [B*q]; starts, past [B]; new_mask [B, q, q];
@@ -75,7 +85,10 @@ class CompiledForwards:
         start, before = time.perf_counter(), _graphs_compiled()
         for q in self.query_lens:
             for B in self.batch_buckets:
+                begin = time.perf_counter()
                 self._call([], [], [], [], [], B, q)
+                log.info("compiled the forward of %d rows x %d queries in %.1f s", B, q,
+                         time.perf_counter() - begin)
         self.stats.seconds = time.perf_counter() - start
         self.stats.graphs = len(self.query_lens) * len(self.batch_buckets)
         log.info("compiled forwards (%s, %s attention) for batch sizes %s x query lengths %s "

@@ -115,11 +115,12 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  enforce_eager: bool | None = None, backend: AttentionBackend | None = None,
                  fast_path: bool = True, deterministic: bool = False,
-                 static_attention: str = "flex",
+                 static_attention: str | None = None,
                  compile_batch_sizes: tuple[int, ...] | None = None):
         """enforce_eager: None = the device's default (compiled forwards on an accelerator,
         eager on CPU: docs/benchmarks.md, *Compiled forwards*); static_attention: the
-        compiled forwards' backend (static_attention.STATIC_BACKENDS)."""
+        compiled forwards' backend (static_attention.STATIC_BACKENDS; None:
+        flex on CUDA, padded SDPA elsewhere: on CPU it measured faster than flex)."""
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
@@ -174,7 +175,8 @@ class ModelRunner:
         if why_eager is None:
             buckets = compile_batch_sizes or tuple(b for b in BATCH_BUCKETS if b <= max_num_seqs)
             self.compiled = CompiledForwards(
-                self.fast, kv, STATIC_BACKENDS[static_attention](self.backend.token_dim),
+                self.fast, kv, STATIC_BACKENDS[static_attention or (
+                    "flex" if device.type == "cuda" else "sdpa-padded")](self.backend.token_dim),
                 tokens // block, block, device, buckets)
             self.compiled.compile()
         else:

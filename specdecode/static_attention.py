@@ -80,10 +80,25 @@ class StaticBackend:
 
     def write(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               rows: StaticRows) -> None:
-        """k, v [B*q, kv_heads, D] -> the rows' slots, in place."""
-        keys, values = self._keys_values(kv_layer)
-        keys.index_copy_(1, rows.slots, k.transpose(0, 1))
-        values.index_copy_(1, rows.slots, v.transpose(0, 1))
+        """k, v [B*q, kv_heads, D] -> the rows' slots, in place (an opaque mutating op: a
+        compiled graph writes the pool where it lies instead of copying it)."""
+        write_kv(kv_layer, k, v, rows.slots, self.token_dim)
+
+
+@torch.library.custom_op("specdecode::write_kv", mutates_args=("kv_layer",))
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             token_dim: int) -> None:
+    """kv_layer [2, kv_heads, T, D] (token_dim 3) or [2, T, kv_heads, D] (token_dim 2);
+    k, v [N, kv_heads, D]; slots [N]."""
+    if token_dim == 3:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    kv_layer[0].index_copy_(token_dim - 2, slots, k)
+    kv_layer[1].index_copy_(token_dim - 2, slots, v)
+
+
+@write_kv.register_fake
+def _(kv_layer, k, v, slots, token_dim) -> None:
+    return None
 
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, rows: StaticRows,
                scale: float) -> torch.Tensor:
