@@ -3,8 +3,21 @@ speculation (draft = target, and a smaller draft; both scorers), HF `generate` e
 a static cache, verify-vs-decode cost, and efficiency against Leviathan et al.'s S*.
 
     python bench/gpu_bench.py --device cuda                 # Qwen2-1.5B / 0.5B-shaped, bf16
-    python bench/gpu_bench.py --device cuda --enforce-eager # the same without CUDA graphs
-    python bench/gpu_bench.py --small                       # CPU, small shapes (a dry run)
+    python bench/gpu_bench.py --device cuda --enforce-eager # the same, eager forwards
+    python bench/gpu_bench.py --small --device cpu          # CPU, small shapes (a dry run)
+
+Forwards are compiled (specdecode/compiled_forward.py: torch.compile, CUDA graphs through
+mode="reduce-overhead", flex attention over the KV pool) unless --enforce-eager; CI runs the
+same code on CPU (`tests/unit/specdecode/test_compiled_forward.py`, and this script with
+--small under -m slow). No package beyond torch is needed on the device for the fast path.
+
+Carry to a lent device (the repository travels as the working tree): a folder of wheels for
+the device's Python, `pip download -d .whl --only-binary=:all: --python-version 3.11
+transformers tokenizers safetensors huggingface-hub accelerate click rich grpcio
+grpcio-health-checking grpcio-reflection protobuf opentelemetry-api opentelemetry-sdk
+prometheus-client psutil pyyaml regex tqdm` (the pure-Python ones, plus the few small binary
+wheels the imports need; torch and triton are the device image's), installed there with
+`pip install --no-index --find-links .whl ...` before the run.
 
 Models are random (no download): a Qwen2-1.5B-shaped target (hidden 1536, 28 layers, 12 heads
 / 2 KV heads, vocab 151936) and a Qwen2-0.5B-shaped draft (hidden 896, 24 layers, 14 / 2);
@@ -76,11 +89,13 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def engine_tps(target, draft, scoring, k, prompts, max_tokens, device, enforce_eager) -> dict:
-    eng = build_inprocess_engine(target, draft, scoring, k, device, enforce_eager=enforce_eager)
+def engine_tps(target, draft, scoring, k, prompts, max_tokens, device, enforce_eager,
+               buckets) -> dict:
+    eng = build_inprocess_engine(target, draft, scoring, k, device, enforce_eager=enforce_eager,
+                                 compile_batch_sizes=buckets)
     requests = lambda tag: [Request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens))  # noqa: E731
                             for i, p in enumerate(prompts)]
-    eng.generate(requests("warm")[:1])  # warm-up (captured graphs, allocator)
+    eng.generate(requests("warm")[:1])  # warm-up (allocator, caches)
     sync(device)
     start = time.perf_counter()
     done = eng.generate(requests("r"))
@@ -137,13 +152,16 @@ def s_star(alpha: float, k: int, c: float) -> float:
 @click.option("--batches", default="1,8,32", show_default=True)
 @click.option("--k", default=4, show_default=True)
 @click.option("--enforce-eager", is_flag=True)
+@click.option("--buckets", default=None, help="Batch sizes to compile (default: the runner's).")
 @click.option("--out", default="bench/results/gpu_bench.json", show_default=True)
-def main(device, dtype, small, prompt_len, max_tokens, batches, k, enforce_eager, out) -> None:
+def main(device, dtype, small, prompt_len, max_tokens, batches, k, enforce_eager, buckets,
+         out) -> None:
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     suffix = "-small" if small else ""
     target = random_qwen2("target" + suffix, dev, dt, seed=1)
     draft = random_qwen2("draft" + suffix, dev, dt, seed=2)
     vocab = target.config.vocab_size
+    buckets = tuple(int(b) for b in buckets.split(",")) if buckets else None
     gen = torch.Generator().manual_seed(0)
     batch_sizes = [int(b) for b in batches.split(",")]
     prompts = torch.randint(0, vocab, (max(batch_sizes), prompt_len), generator=gen).tolist()
@@ -157,13 +175,14 @@ def main(device, dtype, small, prompt_len, max_tokens, batches, k, enforce_eager
     target_only = {}
     for B in batch_sizes:
         r = engine_tps(target, target, "multi-query", 0, prompts[:B], max_tokens, dev,
-                       enforce_eager)
+                       enforce_eager, buckets)
         target_only[B] = r["tokens_per_s"]
         rows.append({"what": "target-only", "B": B, **r})
     for B in [b for b in batch_sizes if b <= 8]:
         for name, d in (("draft = target", target), ("0.5B-shaped draft", draft)):
             for scoring in ("multi-query", "batch-expansion"):
-                r = engine_tps(target, d, scoring, k, prompts[:B], max_tokens, dev, enforce_eager)
+                r = engine_tps(target, d, scoring, k, prompts[:B], max_tokens, dev,
+                               enforce_eager, buckets)
                 rows.append({"what": f"{name}, {scoring}, k={k}", "B": B, **r,
                              "vs_target_only": r["tokens_per_s"] / target_only[B]})
     for static in (False, True):
@@ -173,8 +192,8 @@ def main(device, dtype, small, prompt_len, max_tokens, batches, k, enforce_eager
             tps, res[f"hf_{'static' if static else 'eager'}_error"] = float("nan"), repr(exc)
         rows.append({"what": f"HF generate, {'static cache' if static else 'eager'}", "B": 1,
                      "tokens_per_s": tps, "vs_target_only": tps / target_only[batch_sizes[0]]})
-    t_runner = ModelRunner(target, dev, enforce_eager=enforce_eager)
-    d_runner = ModelRunner(draft, dev, enforce_eager=enforce_eager)
+    t_runner = ModelRunner(target, dev, enforce_eager=enforce_eager, compile_batch_sizes=buckets)
+    d_runner = ModelRunner(draft, dev, enforce_eager=enforce_eager, compile_batch_sizes=buckets)
     decode_ms, verify_ms = call_ms(t_runner, prompts[0], 1, dev), call_ms(t_runner, prompts[0],
                                                                           k + 1, dev)
     c = call_ms(d_runner, prompts[0], 1, dev) / decode_ms

@@ -47,7 +47,8 @@ class LlamaLikeForward:
                  query_index: torch.Tensor, kv: torch.Tensor, backend: AttentionBackend,
                  batch: AttnBatch) -> torch.Tensor:
         """input_ids, positions [N]; query_index [Q] (packed positions whose logits are
-        wanted); kv the pool [layers, 2, ...]."""
+        wanted; None: all N); kv the pool [layers, 2, ...]; batch the backend's (an
+        AttnBatch, or the StaticRows of a compiled forward)."""
         N, H, Hkv, D = input_ids.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         x = self.decoder.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.decoder.rotary_emb(x[None], positions[None])  # [1, N, D]
@@ -62,5 +63,5 @@ class LlamaLikeForward:
             backend.write(kv[i], k, v, batch)
             x = x + attn.o_proj(backend.attend(q, kv[i], batch, self.scale))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.decoder.norm(x[query_index])  # [Q, hidden]
+        hidden = self.decoder.norm(x if query_index is None else x[query_index])  # [Q, hidden]
         return self.model.get_output_embeddings()(hidden).float()  # [Q, V]

@@ -24,7 +24,7 @@ class ModelOptions:
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = the runner's default budget
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    enforce_eager: bool = False  # no captured graphs (CUDA)
+    enforce_eager: bool | None = None  # None: compiled on an accelerator, eager on CPU
     deterministic: bool = False  # row-invariant numerics (specdecode.invariant_ops)
     # The widest forward (query tokens per row) the cost table times: the orchestrator's
     # max k + 1 (specdecode.cost_model).

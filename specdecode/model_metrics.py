@@ -53,6 +53,17 @@ class RunnerCollector:
             (CounterMetricFamily, "specdecode_kv_cache_evictions", "Sequences dropped from the "
              "KV cache to make room (recomputed when they return).", pool.stats.evictions),
         ]
+        compiled = self.runner.compiled
+        if compiled is not None:
+            families += [
+                (GaugeMetricFamily, "specdecode_model_compile_seconds", "Start-up compilation "
+                 "of the decode and verify forwards.", compiled.stats.seconds),
+                (CounterMetricFamily, "specdecode_model_recompiles", "Forward graphs compiled "
+                 "after start-up (a shape or guard the start-up did not cover).",
+                 compiled.stats.recompiles),
+                (CounterMetricFamily, "specdecode_model_compiled_forwards", "Forwards that ran "
+                 "a compiled graph.", compiled.stats.runs),
+            ]
         for cls, name, doc, value in families:
             family = cls(name, doc, labels=["role"])
             family.add_metric(labels, value)

@@ -28,12 +28,13 @@ import torch
 from opentelemetry import trace
 from transformers import DynamicCache
 
-from specdecode.attention import (AttentionBackend, AttnBatch, FlashAttnBackend,
-                                  InvariantSdpaBackend, SdpaBackend, select_backend)
-from specdecode.cuda_graphs import QUERY_LENS, CudaGraphs
+from specdecode.attention import (AttentionBackend, AttnBatch, InvariantSdpaBackend,
+                                  SdpaBackend, select_backend)
+from specdecode.compiled_forward import BATCH_BUCKETS, CompiledForwards
 from specdecode.fast_forward import LlamaLikeForward, fast_path_unsupported
 from specdecode.invariant_ops import make_row_invariant
 from specdecode.kv_pool import KVPool, PoolEntry, PoolFull
+from specdecode.static_attention import STATIC_BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,14 @@ def kv_geometry(model) -> tuple[int, int, int]:
 class ModelRunner:
     def __init__(self, model, device: torch.device, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 enforce_eager: bool = False, backend: AttentionBackend | None = None,
-                 fast_path: bool = True, deterministic: bool = False):
+                 enforce_eager: bool | None = None, backend: AttentionBackend | None = None,
+                 fast_path: bool = True, deterministic: bool = False,
+                 static_attention: str | None = None,
+                 compile_batch_sizes: tuple[int, ...] | None = None):
+        """enforce_eager: None = the device's default (compiled forwards on an accelerator,
+        eager on CPU: docs/benchmarks.md, *Compiled forwards*); static_attention: the
+        compiled forwards' backend (static_attention.STATIC_BACKENDS; None:
+        flex on CUDA, padded SDPA elsewhere: on CPU it measured faster than flex)."""
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
@@ -147,11 +154,11 @@ class ModelRunner:
             log.warning("max_model_len %d cut to %d: the KV cache budget (%d bytes) holds no "
                         "more", max_len, tokens, budget)
         self.max_model_len: int = min(max_len, tokens)
-        self.graphs: CudaGraphs | None = None
-        graphs = (self.fast is not None and device.type == "cuda" and not enforce_eager
-                  and isinstance(self.backend, FlashAttnBackend) and not self.deterministic)
-        # With graphs, one scratch block past the pool's own is where padding rows go.
-        kv = self.backend.allocate(layers, heads, tokens + block * graphs, dim, dtype, device)
+        self.compiled: CompiledForwards | None = None
+        why_eager = self._why_eager(enforce_eager, device)
+        # Compiled, one scratch block past the pool's own is where padding rows go.
+        kv = self.backend.allocate(layers, heads, tokens + block * (why_eager is None), dim,
+                                   dtype, device)
         self.pool = KVPool(kv.narrow(self.backend.token_dim, 0, tokens), self.backend.token_dim,
                            block, max_num_seqs)
         self.bytes_per_token = bytes_per_token
@@ -165,14 +172,25 @@ class ModelRunner:
                  "row-invariant" if self.deterministic else "batch-dependent",
                  self.backend.name, self.pool.nbytes / 2**20, tokens, bytes_per_token,
                  max_num_seqs, self.max_model_len)
-        if graphs:
-            self.graphs = CudaGraphs(self.fast, kv, self.backend, tokens // block,
-                                     self.max_model_len, device)
-            self.graphs.capture()
+        if why_eager is None:
+            buckets = compile_batch_sizes or tuple(b for b in BATCH_BUCKETS if b <= max_num_seqs)
+            self.compiled = CompiledForwards(
+                self.fast, kv, STATIC_BACKENDS[static_attention or (
+                    "flex" if device.type == "cuda" else "sdpa-padded")](self.backend.token_dim),
+                tokens // block, block, device, buckets)
+            self.compiled.compile()
         else:
-            log.info("model runner: eager, no captured graphs (%s)",
-                     "--enforce-eager" if enforce_eager else
-                     "they need CUDA, the fast path, flash-attn and --deterministic off")
+            log.info("model runner: eager forwards (%s)", why_eager)
+
+    def _why_eager(self, enforce_eager: bool | None, device: torch.device) -> str | None:
+        """Why the forwards stay eager, or None when they are compiled."""
+        if enforce_eager or (enforce_eager is None and device.type == "cpu"):
+            return "--enforce-eager" if enforce_eager else "the CPU default"
+        if self.fast is None:
+            return "compiled forwards need the fast path"
+        if self.deterministic:
+            return "--deterministic on has its own attention"
+        return None
 
     @property
     def num_cached_sequences(self) -> int:
@@ -293,12 +311,11 @@ class ModelRunner:
             q_starts.append(q_starts[-1] + n)
             kv_lens.append(L)
         q = plan.rows[0].num_queries
-        if self.graphs and all(plan.writes) and q in QUERY_LENS and all(
+        if self.compiled and self.compiled.fits(len(plan.rows), q) and all(plan.writes) and all(
                 r.num_queries == q and len(r.token_ids) - p == q
                 for r, p in zip(plan.rows, plan.past)):
-            logits = self.graphs.run(input_ids, positions, slots, plan.starts, kv_lens, q)
-            if logits is not None:
-                return list(logits.split([q] * len(plan.rows)))
+            logits = self.compiled.run(input_ids, positions, slots, plan.starts, kv_lens, q)
+            return list(logits.split([q] * len(plan.rows)))
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
         batch = AttnBatch(q_starts, plan.starts, kv_lens, as_long(slots),

@@ -24,7 +24,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
                            device: torch.device = torch.device("cpu"),
                            ngram_min: int = 2,
                            adaptive: bool = False, draft_vocab_size: int = 0, draft_dir=None,
-                           enforce_eager: bool = False,
+                           enforce_eager: bool | None = None,
+                           compile_batch_sizes: tuple[int, ...] | None = None,
                            draft_confidence: float = 0.0, tokenizer=None,
                            deterministic: bool = False,
                            async_drafting: str = "off") -> SpecDecodeEngine:
@@ -37,12 +38,14 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     structured output (the draft and the target each keep their grammar states);
     deterministic: row-invariant numerics in both models (specdecode.invariant_ops);
     async_drafting: draft ahead (auto never does here: the proposer and scorer share this
-    process's cores)."""
+    process's cores);
+    enforce_eager, compile_batch_sizes: both runners' (specdecode.model_runner)."""
     compiler = None if tokenizer is None else GrammarCompiler(tokenizer,
                                                               target.config.vocab_size)
     grammars = (lambda: None) if compiler is None else (lambda: Grammars(compiler))
     target_runner = ModelRunner(target, device, enforce_eager=enforce_eager,
-                                deterministic=deterministic)
+                                deterministic=deterministic,
+                                compile_batch_sizes=compile_batch_sizes)
     max_len = target_runner.max_model_len
     target_costs = (calibrate(target_runner, tokens=calibration_widths(k + 1))
                     if adaptive or scoring == "auto" else None)
@@ -52,7 +55,8 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     else:
         prune_lm_head(draft, draft_dir, draft_vocab_size)
         draft_runner = ModelRunner(draft, device, enforce_eager=enforce_eager,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic,
+                                   compile_batch_sizes=compile_batch_sizes)
         max_len = min(max_len, draft_runner.max_model_len)
         draft_costs = (calibrate(draft_runner, tokens=calibration_widths(k + 1, catch_up=True))
                        if adaptive else None)

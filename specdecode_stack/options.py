@@ -147,8 +147,10 @@ model_options = option_group(
              "(default: 2GiB, or less when max-num-seqs x max-model-len needs less)."),
     opt("--max-num-seqs", default=256, type=click.IntRange(1),
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
-    opt("--enforce-eager", is_flag=True, default=False,
-        help="Do not capture CUDA graphs for decode and verify (always eager on CPU)."),
+    opt("--enforce-eager/--compile", default=None,
+        help="Eager forwards, or decode and verify forwards compiled at start-up "
+             "(torch.compile; CUDA graphs on CUDA). Default: compiled on an accelerator, "
+             "eager on CPU."),
     opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(DETERMINISTIC_CHOICES),
         help=DETERMINISTIC_HELP),
     opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
