@@ -110,6 +110,22 @@ def kv_geometry(model) -> tuple[int, int, int]:
     return len(cache.layers), heads, dim
 
 
+def pool_tokens(kv_cache_memory: int | None, max_num_seqs: int, max_len: int,
+                bytes_per_token: int, block: int) -> int:
+    """Tokens the KV pool holds: the budget (default: what max_num_seqs sequences of max_len
+    need, at most DEFAULT_KV_CACHE_MEMORY) in whole blocks; at least one block."""
+    budget = kv_cache_memory or min(DEFAULT_KV_CACHE_MEMORY,
+                                    max_num_seqs * max_len * bytes_per_token)
+    tokens = budget // bytes_per_token // block * block
+    if tokens < block:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold less than one block of "
+                         f"{block} tokens ({bytes_per_token} bytes per token)")
+    if tokens < max_len:
+        log.warning("max_model_len %d cut to %d: the KV cache budget (%d bytes) holds no "
+                    "more", max_len, tokens, budget)
+    return tokens
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -143,16 +159,8 @@ class ModelRunner:
             layers, heads, dim = kv_geometry(model)
         bytes_per_token = layers * 2 * heads * dim * dtype.itemsize
         max_len = min(max_model_len or 1 << 62, model.config.max_position_embeddings)
-        budget = kv_cache_memory or min(DEFAULT_KV_CACHE_MEMORY,
-                                        max_num_seqs * max_len * bytes_per_token)
         block = self.backend.block_size
-        tokens = budget // bytes_per_token // block * block
-        if tokens < block:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold less than one block of "
-                             f"{block} tokens ({bytes_per_token} bytes per token)")
-        if tokens < max_len:
-            log.warning("max_model_len %d cut to %d: the KV cache budget (%d bytes) holds no "
-                        "more", max_len, tokens, budget)
+        tokens = pool_tokens(kv_cache_memory, max_num_seqs, max_len, bytes_per_token, block)
         self.max_model_len: int = min(max_len, tokens)
         self.compiled: CompiledForwards | None = None
         why_eager = self._why_eager(enforce_eager, device)
@@ -174,13 +182,18 @@ class ModelRunner:
                  max_num_seqs, self.max_model_len)
         if why_eager is None:
             buckets = compile_batch_sizes or tuple(b for b in BATCH_BUCKETS if b <= max_num_seqs)
-            self.compiled = CompiledForwards(
-                self.fast, kv, STATIC_BACKENDS[static_attention or (
-                    "flex" if device.type == "cuda" else "sdpa-padded")](self.backend.token_dim),
-                tokens // block, block, device, buckets)
-            self.compiled.compile()
+            self.compiled = self._compiled(kv, tokens // block, buckets, static_attention)
         else:
             log.info("model runner: eager forwards (%s)", why_eager)
+
+    def _compiled(self, kv: torch.Tensor, blocks: int, buckets: tuple[int, ...],
+                  static_attention: str | None) -> CompiledForwards:
+        """The compiled forwards over `kv` (the pool and its scratch block), compiled now."""
+        name = static_attention or ("flex" if self.device.type == "cuda" else "sdpa-padded")
+        compiled = CompiledForwards(self.fast, kv, STATIC_BACKENDS[name](self.backend.token_dim),
+                                    blocks, self.backend.block_size, self.device, buckets)
+        compiled.compile()
+        return compiled
 
     def _why_eager(self, enforce_eager: bool | None, device: torch.device) -> str | None:
         """Why the forwards stay eager, or None when they are compiled."""
