@@ -57,9 +57,7 @@ from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode.model_packages import fetch
 from specdecode.models import load_model, load_tokenizer, resolve_model_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
-from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 

@@ -27,8 +27,7 @@ from scorer_svc.methods import SCORING_METHODS
 from specdecode.device import resolve_device, resolve_dtype
 from specdecode.sequence import SamplingParams
 from specdecode_stack.inprocess import build_inprocess_engine
-
-from tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 8, 9, 7, 8, 9, 7, 8]]
 

@@ -36,8 +36,7 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
                                  SequenceGroupMetadata)
 from specdecode.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
-
-from tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 DEVICE = torch.device("cpu")
 CODE_PROMPTS = [

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,12 +35,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
-from tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
-
-from specdecode.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend  # noqa: E402
-from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, make_row_invariant  # noqa: E402
-from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
+from specdecode.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend
+from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, make_row_invariant
+from specdecode.model_runner import ModelRunner, RunnerRow
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 ROWS = (2, 4, 8, 9, 16, 17, 33, 64, 256)  # batch sizes an operator is probed at

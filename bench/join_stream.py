@@ -1,6 +1,7 @@
 """A stream with a long request joining beside it (chunked prefill, docs/design.md), for
-tests/test_chunked_prefill.py and bench/join_bench.py. Lives in bench/ as tiny_models.py does:
-both can import it without installing it."""
+tests/integration/test_long_prompt_join.py and bench/join_bench.py. Lives in bench/, which
+both can import without installing it (a script's own folder is on its path, the repository
+root on pytest's)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,15 +29,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
-from tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer  # noqa: E402
-
-from orchestrator.engine.request import Request  # noqa: E402
-from specdecode.grammar.spec import StructuredOutput  # noqa: E402
-from specdecode.model_packages import fetch  # noqa: E402
-from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
-from specdecode.sequence import SamplingParams  # noqa: E402
-from specdecode_stack.inprocess import build_inprocess_engine  # noqa: E402
+from orchestrator.engine.request import Request
+from specdecode.grammar.spec import StructuredOutput
+from specdecode.model_packages import fetch
+from specdecode.models import load_model, load_tokenizer, resolve_model_dir
+from specdecode.sequence import SamplingParams
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
+from specdecode_stack.inprocess import build_inprocess_engine
 
 S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 

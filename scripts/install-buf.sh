@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install buf (the protobuf linter used by tests/test_protos.py) from the npm package
-# @bufbuild/buf into .cache/tools. Idempotent: does nothing when the pinned version is
+# Install buf (the protobuf linter used by tests/integration/test_protos.py) from the npm
+# package @bufbuild/buf into .cache/tools. Idempotent: does nothing when the pinned version is
 # already there. Needs node/npm and access to the npm registry.
 #
 #   scripts/install-buf.sh            # then: .cache/tools/node_modules/.bin/buf lint

@@ -1,26 +1,22 @@
-"""Shared fixtures: tiny random-initialised Llama models that share one vocabulary."""
+"""Fixtures shared by the unit and integration tests: the tiny random Llama pair (one
+vocabulary), saved as model directories for service processes, long-context twins of it,
+and an in-memory span exporter. Helpers are in tests/support/."""
 
 from __future__ import annotations
 
-import re
-import urllib.request
+import dataclasses
 
 import pytest
-import torch
-from scipy import stats
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
-from bench.tiny_models import TinyModelSpec, build_tiny_model
-from orchestrator.engine.request import Request
-from orchestrator.engine.core import SpecDecodeEngine
-from specdecode.model_runner import ModelRunner
-from specdecode.sampling import truncated_probs
-from specdecode.sequence import SamplingParams
-from specdecode.worker import ModelWorker
-from specdecode_stack.inprocess import build_inprocess_engine
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from tests.support.models import DRAFT, TARGET
 
-CPU = torch.device("cpu")
-TARGET = TinyModelSpec(seed=1)
-DRAFT = TinyModelSpec(seed=2, num_layers=1)
+LONG_CONTEXT = 8192
 
 
 @pytest.fixture(scope="session")
@@ -31,63 +27,6 @@ def target_model():
 @pytest.fixture(scope="session")
 def draft_model():
     return build_tiny_model(DRAFT)
-
-
-def worker(model, purpose: str) -> ModelWorker:
-    return ModelWorker(ModelRunner(model, CPU), purpose)
-
-
-def make_engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
-    """draft: a model, or "ngram"."""
-    # n_min=1: on random models longer n-grams rarely recur, and proposals are what we test.
-    return build_inprocess_engine(target, draft, scoring, k, CPU, ngram_min=1)
-
-
-@torch.inference_mode()
-def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    """Target-only greedy decoding with full recomputation (no cache, no batching)."""
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
-
-
-def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
-    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
-
-
-@torch.inference_mode()
-def target_pair_probs(model, prompt: list[int], params: SamplingParams) -> dict[tuple, float]:
-    """The target's exact joint p(t1) p(t2 | t1) of a request's first two tokens, under the
-    request's truncation (full recomputation: no cache, no batching)."""
-    def dist(tokens):
-        return truncated_probs(model(torch.tensor([tokens])).logits[0, -1:], params)[0]
-    p1, joint = dist(prompt), {}
-    for t1 in p1.nonzero().flatten().tolist():
-        p2 = dist(prompt + [t1])
-        for t2 in p2.nonzero().flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    return joint
-
-
-def chi_square_pvalue(draws: list[tuple], expected: dict[tuple, float]) -> float:
-    """Chi-square of the draws against `expected` (probabilities): cells expecting >= 5
-    draws (the test's validity condition), the rest pooled into one cell. Callers assert
-    p > 1e-3 with fixed seeds: a correct sampler fails 1 seed set in 1000; one that drops
-    truncation or mixes in the draft's q fails outright."""
-    n = len(draws)
-    big = [c for c, p in expected.items() if p * n >= 5]
-    observed = [sum(d == c for d in draws) for c in big]
-    exp = [expected[c] * n for c in big]
-    observed.append(n - sum(observed))
-    exp.append(n - sum(exp))
-    if exp[-1] < 1e-9:  # nothing pooled
-        observed, exp = observed[:-1], exp[:-1]
-    # float32 probabilities sum to 1 within ~1e-6, and SciPy wants the totals equal to
-    # ~1e-8: rescale what float rounding left over (a real shortfall fails here instead).
-    total = sum(exp)
-    assert abs(total - n) < 1e-4 * n, f"expected counts sum to {total}, not {n}"
-    return stats.chisquare(observed, [e * n / total for e in exp]).pvalue
 
 
 @pytest.fixture(scope="session")
@@ -103,17 +42,29 @@ def tiny_model_dirs(tmp_path_factory, target_model, draft_model):
     return {k: str(v) for k, v in dirs.items()}
 
 
-MODEL_NAME_LABEL = re.compile(r'model_name="[^"]*"')
+@pytest.fixture(scope="session")
+def long_models(tmp_path_factory):
+    """The tiny pair with an 8,192-token context (chunked prefill), as models and saved."""
+    root = tmp_path_factory.mktemp("long")
+    target = build_tiny_model(dataclasses.replace(TARGET, max_position_embeddings=LONG_CONTEXT))
+    draft = build_tiny_model(dataclasses.replace(DRAFT, max_position_embeddings=LONG_CONTEXT))
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return target, draft, {"target": str(root / "target"), "draft": str(root / "draft")}
 
 
-def scrape_metrics(port: int) -> dict[str, float]:
-    """`name{labels}` -> value of the specdecode_* samples at a /metrics endpoint. Every
-    sample must carry a model_name label; the keys leave it out."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for m in re.finditer(r"^(specdecode_\S+) (\S+)$", body, re.M):
-        assert 'model_name="' in m.group(1), m.group(1)
-        key = MODEL_NAME_LABEL.sub("", m.group(1))
-        key = key.replace("{,", "{").replace(",}", "}").replace(",,", ",").replace("{}", "")
-        out[key] = float(m.group(2))
-    return out
+@pytest.fixture
+def exporter():
+    """A global SDK provider with an in-memory exporter, restored afterwards (the API lets a
+    process set its provider once; tests reset that guard)."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace.set_tracer_provider(provider)
+    try:
+        yield memory
+    finally:
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+        provider.shutdown()

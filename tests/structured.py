@@ -8,12 +8,12 @@ import functools
 
 import torch
 
-from bench.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.grammar.matcher import SequenceMatcher, bitmask_to_allowed
 from specdecode.grammar.spec import StructuredOutput
 from specdecode.sampling import truncated_probs
 from specdecode.sequence import SamplingParams
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
 
 VOCAB = 257  # bytes and <eos>
 EOS = 256

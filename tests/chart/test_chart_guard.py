@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from chartlib import NAMESPACE, ROOT, args_map, by_name, component_name, container, of_kind
 
 sys.path.insert(0, str(ROOT))
-from tests.certs import TestCA  # noqa: E402
+from tests.support.certs import TestCA  # noqa: E402
 
 COMPONENTS = ("proposer", "scorer", "orchestrator")
 GUARD = ["tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=ca",

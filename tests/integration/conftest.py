@@ -9,8 +9,7 @@ import pytest
 
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 from tests.otlp import Receiver
-
-SERVED = "smol"
+from tests.support.smol_stack import SERVED
 
 
 @pytest.fixture(scope="session")

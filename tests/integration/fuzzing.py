@@ -23,7 +23,7 @@ from specdecode import wire
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, scorer_service_pb2,
                            sequence_pb2, speculative_pb2, tensor_pb2)
 
-VOCAB, MAX_LEN = 256, 256  # the tiny test models' (bench.tiny_models.TinyModelSpec)
+VOCAB, MAX_LEN = 256, 256  # the tiny test models' (specdecode.tiny_models.TinyModelSpec)
 NAN, INF = math.nan, math.inf
 BAD_IDS = [-1, -2, VOCAB, VOCAB + 1, 2**31, 2**62, 2**63 - 1, -2**63]
 BAD_FLOATS = [NAN, INF, -INF, -1.0, 0.0, 5e-324, 1e-40, 1e-30, 1e308, 1.5, 3.0, 200.0]

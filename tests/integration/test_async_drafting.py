@@ -11,9 +11,9 @@ import concurrent.futures
 import pytest
 
 from specdecode.api.client import SpecDecodeClient
-from tests.cluster import Cluster
-from tests.test_faults import PROMPTS, PROPOSER_TIMEOUT_S, reference  # noqa: F401 (fixture)
-from tests.test_faults import test_proposer_kill_falls_back_and_resumes as proposer_kill_drill
+from tests.integration.test_faults import PROMPTS, PROPOSER_TIMEOUT_S, reference  # noqa: F401 (fixture)
+from tests.integration.test_faults import test_proposer_kill_falls_back_and_resumes as proposer_kill_drill
+from tests.support.cluster import Cluster
 from tests.unit.orchestrator.engine.test_lookahead import near_copy
 
 SAMPLED = dict(temperature=0.8, top_k=8)

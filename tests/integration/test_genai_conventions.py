@@ -12,8 +12,8 @@ import openai
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from tests.integration.conftest import SERVED
 from tests.otlp import Receiver, Span, attrs, spans_of
+from tests.support.smol_stack import SERVED
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
 PROMPT = "for i in range(3):\n    print(i)\nfor i in range(3):\n"

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from specdecode.api.client import GenerateResult, SpecDecodeClient
 from specdecode.models import load_tokenizer, resolve_model_dir
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 
 
 def chat(text: str) -> str:

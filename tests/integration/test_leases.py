@@ -18,7 +18,8 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
                                  SequenceGroupMetadata)
 from specdecode.v1 import proposer_service_pb2, scorer_service_pb2, sequence_pb2
 from specdecode_stack.local import LocalStack, StackConfig
-from tests.conftest import reference_greedy, scrape_metrics
+from tests.support.metrics import scrape_metrics
+from tests.support.references import reference_greedy
 
 LEASE = 2.0
 SEQ_IDS = [101, 102, 103, 104]

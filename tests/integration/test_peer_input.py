@@ -17,8 +17,8 @@ from specdecode import wire
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.v1 import scorer_service_pb2
 from specdecode_stack.local import LocalStack, StackConfig
-from tests.conftest import scrape_metrics
 from tests.integration import fuzzing
+from tests.support.metrics import scrape_metrics
 
 SCORE = "/specdecode.v1.ScorerService/ScoreProposals"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"

@@ -28,13 +28,13 @@ import grpc
 import pytest
 import torch
 
-from bench.tiny_models import TinyModelSpec, build_tiny_model
 from orchestrator.cluster.cost_refresh import REFRESH_S
 from orchestrator.cluster.remote import RemoteScorer
 from orchestrator.engine.speculation_policy import REASONS
 from specdecode.api.client import SpecDecodeClient
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.local import LocalStack, StackConfig, wait_process_serving
-from tests.conftest import scrape_metrics
+from tests.support.metrics import scrape_metrics
 
 K = 4
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7, 8, 9]]

@@ -12,7 +12,7 @@ import pytest
 
 from specdecode.tls import TlsFiles
 from specdecode_stack.local import free_port, wait_process_serving
-from tests.certs import TestCA
+from tests.support.certs import TestCA
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from specdecode.api.client import SpecDecodeClient
-from tests.conftest import scrape_metrics
-from tests.integration.conftest import SERVED
+from tests.support.metrics import scrape_metrics
+from tests.support.smol_stack import SERVED
 
 TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"

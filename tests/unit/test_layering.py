@@ -3,10 +3,11 @@ import as drawn, the client side imports no server room, and no module import cy
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.imports import imports
+from tests.support.paths import ROOT
+
 PACKAGES = ("orchestrator", "specdecode", "proposer_svc", "scorer_svc", "specdecode_stack")
 ROOMS = ("orchestrator.engine", "orchestrator.cluster", "orchestrator.frontend")
 
@@ -18,20 +19,6 @@ def modules() -> dict[str, Path]:
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             out[name.removesuffix(".__init__")] = path
     return out
-
-
-def imports(path: Path, top_level_only: bool = False) -> set[str]:
-    """Modules `path` imports (every import, or only those that run when it is imported)."""
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
-    found = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
 
 
 def within(name: str, prefixes) -> bool:

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.tiny_models import TinyModelSpec, build_tiny_model
 from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
 from specdecode.attention import AttnBatch, InvariantSdpaBackend
 from specdecode.invariant_ops import (ROW_TILE, RowTiledLinear, is_row_invariant,
                                       make_row_invariant, tiled_linear)
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float32]

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from bench.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode.cost_model import (DRIFT, DRIFT_RUN, ForwardCosts, calibrate,
                                    calibration_widths)
 from specdecode.model_access import ModelAccess
 from specdecode.model_runner import ModelRunner
 from specdecode.recalibration import Recalibrator, merged_rows
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 

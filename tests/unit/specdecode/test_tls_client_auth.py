@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from specdecode.tls import TlsFiles, check_client_auth
-from tests.certs import TestCA
+from tests.support.certs import TestCA
 
 
 @pytest.fixture(scope="module")

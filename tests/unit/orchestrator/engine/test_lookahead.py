@@ -17,7 +17,9 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
                                  SequenceGroupMetadata)
 from specdecode.sampling import truncated_probs
 from specdecode_stack.inprocess import build_inprocess_engine
-from tests.conftest import chi_square_pvalue, greedy_request, reference_greedy
+from tests.support.chi_square import chi_square_pvalue
+from tests.support.models import greedy_request
+from tests.support.references import reference_greedy
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8], [42, 42], [200, 100, 50, 25]]
 PARAMS = dict(temperature=1.0, top_k=6, top_p=0.95)

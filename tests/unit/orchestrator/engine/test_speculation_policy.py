@@ -235,7 +235,7 @@ def test_every_k_has_a_reason():
 def test_the_step_carries_the_reasons_and_the_predicted_speedup():
     """On the step's statistics, so on its span and in /metrics (orchestrator.engine.step_metrics:
     specdecode_chosen_k's reason label, specdecode_predicted_speedup)."""
-    from bench.tiny_models import TinyModelSpec, build_tiny_model
+    from specdecode.tiny_models import TinyModelSpec, build_tiny_model
     from orchestrator.engine.request import Request
     from specdecode.sequence import SamplingParams
     from specdecode_stack.inprocess import build_inprocess_engine

@@ -21,9 +21,10 @@ from specdecode.model_runner import ModelRunner
 from specdecode.sequence import SamplingParams
 from specdecode.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
-from tests.conftest import CPU, chi_square_pvalue
 from tests.structured import (DRAFT, EOS, TARGET, VOCAB, compiler, masked_pair_probs,
                               reference_greedy, tiny, tokenizer)
+from tests.support.chi_square import chi_square_pvalue
+from tests.support.models import CPU
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
