@@ -33,7 +33,6 @@ appended to bench/results/async_<pair>.jsonl as they run, the table and JSON at 
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import json
 import os

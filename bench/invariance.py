@@ -31,7 +31,6 @@ from pathlib import Path
 
 import click
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 

@@ -11,6 +11,7 @@ import logging
 
 from specdecode import wire
 from specdecode.deltas.store import TokenStore, resolve_request
+from specdecode.errors import InvalidRequestError
 from specdecode.grammar.matcher import Grammars
 from specdecode.leases import EXPIRED, HELD, Leases
 from specdecode.limits import ServiceLimits
