@@ -106,15 +106,19 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
                                             config.admission.max_queued))
 
     def follow_scorer(server) -> None:
+        """One health for both APIs: gRPC's status and HTTP /health's reason together."""
         loop = asyncio.get_running_loop()
         scorers = parts["services"][1].replicas
 
         def on_change(up: int) -> None:
+            servicer.frontend.unavailable = None if up else \
+                f"no scorer replica is up ({config.scorer})"
             asyncio.run_coroutine_threadsafe(server.set_serving(up > 0), loop)
         scorers.listeners.append(on_change)
         on_change(scorers.up_count())
 
     async def cancel_before_grace_ends(grace_s: float) -> None:
+        servicer.frontend.unavailable = "draining (shutting down)"  # as gRPC's NOT_SERVING
         await asyncio.sleep(max(0.0, grace_s - min(1.0, grace_s / 4)))
         log.warning("grace period ending: cancelling the requests still running")
         servicer.frontend.cancel_all()

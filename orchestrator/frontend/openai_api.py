@@ -4,7 +4,8 @@
     POST /v1/chat/completions   messages, through the tokenizer's chat template
     GET  /v1/models             the served model (--served-model-name, else the target's)
     GET  /v1/models/{id}        that model, or 404
-    GET  /health, GET|POST /ping   200 when serving, 503 while loading (/ping: SageMaker's)
+    GET  /health, GET|POST /ping   200 when serving, 503 naming why not (loading, no scorer
+                                   up, draining): the gRPC health's state (/ping: SageMaker's)
 
 and vLLM's /tokenize, /detokenize, /version and /metrics (orchestrator.frontend.vllm_api).
 Every response carries an `X-Request-Id` (the client's, or a fresh one), which is also the
@@ -84,8 +85,9 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
     @app.get("/ping")
     @app.post("/ping")
     async def health():
-        if not frontend.loaded:
-            raise APIError(503, "still loading", "service_unavailable")
+        why = frontend.not_serving()
+        if why:
+            raise APIError(503, why, "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
