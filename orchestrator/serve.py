@@ -27,6 +27,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.engine.core import build_engine
     from orchestrator.engine.loop import EngineLoop
     from orchestrator.engine.step_metrics import WAITING, StepMetrics
+    from orchestrator.frontend.chat_template import message_overhead
     from orchestrator.frontend.generation import ServedModel
     from orchestrator.frontend.request import RequestLimits
     from specdecode.grammar.matcher import Grammars
@@ -72,8 +73,10 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
                        num_speculative_tokens=k, scoring_method=s_info.scoring_method,
                        has_tokenizer=tok is not None)
     cap = engine.max_model_len - 1
+    per_message = message_overhead(tok)
     limits = RequestLimits(engine.max_model_len, min(admission.max_prompt_tokens or cap, cap), k,
-                           s_info.vocab_size, admission.default_max_tokens, tok is not None)
+                           s_info.vocab_size, admission.default_max_tokens, tok is not None,
+                           *per_message)
     return {"loop": loop, "tokenizer": tok, "info": info, "limits": limits,
             "grammars": compiler}
 
