@@ -137,7 +137,7 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
         app = create_app(servicer.frontend, tokens,
                          max_body_bytes=2 * config.admission.max_request_bytes)
         companions.append(HttpServer(app, options.host, config.http_port,
-                                     options.grace_seconds, options.tls))
+                                     options.grace_seconds, options.tls, config.http))
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,
