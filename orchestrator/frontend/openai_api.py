@@ -72,13 +72,14 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
     """The HTTP app over `frontend` (503 until it is attached).
     With `tokens` (the gRPC API's --auth-token-file), every /v1/ call needs one of them as
     `Authorization: Bearer <token>` (401 otherwise); /health stays open, as for gRPC.
-    A request body over `max_body_bytes` gets 413 before it is parsed."""
+    A request body over `max_body_bytes` gets 413 before it is parsed. The schema is at
+    /openapi.json (behind the tokens when there are some); /docs and /redoc are off."""
     app = FastAPI(title="specdecode OpenAI-compatible API", docs_url=None, redoc_url=None)
     api = _OpenAIApi(frontend)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
-    if tokens is not None:
-        require_token(app, tokens, ("/v1/", "/tokenize", "/detokenize"))
+    if tokens is not None:  # the API's schema too: it lists what a token opens
+        require_token(app, tokens, ("/v1/", "/tokenize", "/detokenize", "/openapi.json"))
     add_error_handlers(app)
 
     @app.get("/health")
