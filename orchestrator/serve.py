@@ -73,10 +73,9 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
                        num_speculative_tokens=k, scoring_method=s_info.scoring_method,
                        has_tokenizer=tok is not None)
     cap = engine.max_model_len - 1
-    per_message = message_overhead(tok)
     limits = RequestLimits(engine.max_model_len, min(admission.max_prompt_tokens or cap, cap), k,
                            s_info.vocab_size, admission.default_max_tokens, tok is not None,
-                           *per_message)
+                           *message_overhead(tok))  # the chat template's part per message
     return {"loop": loop, "tokenizer": tok, "info": info, "limits": limits,
             "grammars": compiler}
 
