@@ -61,6 +61,18 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server (docs/security.md): connections (beyond
+    it, 503), seconds to send a request's headers, seconds idle between requests, and the
+    bytes of a request's headers."""
+
+    max_connections: int = 1024  # open connections, and requests running, at most
+    header_timeout_s: float = 10.0  # a connection's next request headers, complete
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after
+    max_header_bytes: int = 32 << 10  # a request line and headers (h11's event size)
+
+
+@dataclass(frozen=True)
 class OrchestratorConfig:
     server: ServerOptions = field(default_factory=ServerOptions)
     proposer: str = "127.0.0.1:50052"  # replicas: HOST:PORT[,...] or a name resolving to many
@@ -73,6 +85,7 @@ class OrchestratorConfig:
     connect_timeout_s: float = 60.0  # to reach both services at start
     trace_every: int = 1  # keep every Nth step span (1 = all, 0 = request spans only)
     http_port: int = 0  # the OpenAI-compatible HTTP API on the same host (0 = off)
+    http: HttpLimits = HttpLimits()
     sequence_deltas: bool = True  # step calls send what each replica lacks
     overlap: bool = False  # two groups alternate between proposer and scorer
     grammar_compile_timeout_s: float = 5.0  # a structured output request's grammar, at most

@@ -27,6 +27,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.engine.build import build_engine
     from orchestrator.engine.loop import EngineLoop
     from orchestrator.engine.step_metrics import WAITING, StepMetrics
+    from orchestrator.frontend.chat_template import message_overhead
     from orchestrator.frontend.generation import ServedModel
     from orchestrator.frontend.request import RequestLimits
     from specdecode.grammar.matcher import Grammars
@@ -73,7 +74,8 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
                        has_tokenizer=tok is not None)
     cap = engine.max_model_len - 1
     limits = RequestLimits(engine.max_model_len, min(admission.max_prompt_tokens or cap, cap), k,
-                           s_info.vocab_size, admission.default_max_tokens, tok is not None)
+                           s_info.vocab_size, admission.default_max_tokens, tok is not None,
+                           *message_overhead(tok))  # the chat template's part per message
     return {"loop": loop, "tokenizer": tok, "info": info, "limits": limits,
             "grammars": compiler}
 
@@ -106,15 +108,19 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
                                             config.admission.max_queued))
 
     def follow_scorer(server) -> None:
+        """One health for both APIs: gRPC's status and HTTP /health's reason together."""
         loop = asyncio.get_running_loop()
         scorers = parts["services"][1].replicas
 
         def on_change(up: int) -> None:
+            servicer.frontend.unavailable = None if up else \
+                f"no scorer replica is up ({config.scorer})"
             asyncio.run_coroutine_threadsafe(server.set_serving(up > 0), loop)
         scorers.listeners.append(on_change)
         on_change(scorers.up_count())
 
     async def cancel_before_grace_ends(grace_s: float) -> None:
+        servicer.frontend.unavailable = "draining (shutting down)"  # as gRPC's NOT_SERVING
         await asyncio.sleep(max(0.0, grace_s - min(1.0, grace_s / 4)))
         log.warning("grace period ending: cancelling the requests still running")
         servicer.frontend.cancel_all()
@@ -130,7 +136,7 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
         app = create_app(servicer.frontend, tokens,
                          max_body_bytes=2 * config.admission.max_request_bytes)
         companions.append(HttpServer(app, options.host, config.http_port,
-                                     options.grace_seconds, options.tls))
+                                     options.grace_seconds, options.tls, config.http))
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,

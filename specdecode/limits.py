@@ -22,6 +22,7 @@ MAX_SAMPLES = 16  # samples of one public request (n)
 # is refused before it is tokenized (tokenizing 10 MB takes seconds on the event loop).
 TEXT_BYTES_PER_TOKEN = 32
 MAX_REQUEST_ID_CHARS = 128
+MAX_CHAT_NAME_BYTES = 256  # a chat message's role or name (OpenAI's are words)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64

@@ -173,10 +173,12 @@ def serve_orchestrator(proposer, scorer, tokenizer, served_model_name, num_specu
                        service_tls_ca, service_tls_cert, service_tls_key, service_token_file,
                        max_prompt_tokens, max_running_requests, max_queued_requests,
                        max_num_batched_tokens, grammar_compile_timeout, sequence_deltas, overlap,
-                       async_drafting, **server) -> None:
+                       async_drafting, http_max_connections, http_header_timeout,
+                       http_keep_alive_timeout, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
-    from orchestrator.config import AdmissionConfig, OrchestratorConfig, ResilienceOptions
+    from orchestrator.config import (AdmissionConfig, HttpLimits, OrchestratorConfig,
+                                     ResilienceOptions)
     from orchestrator.serve import serve_orchestrator as run
 
     def start():
@@ -189,6 +191,7 @@ def serve_orchestrator(proposer, scorer, tokenizer, served_model_name, num_specu
             served_model_name=served_model_name,
             num_speculative_tokens=num_speculative_tokens, speculation=speculation,
             connect_timeout_s=connect_timeout, trace_every=trace_steps, http_port=http_port,
+            http=HttpLimits(http_max_connections, http_header_timeout, http_keep_alive_timeout),
             sequence_deltas=sequence_deltas, overlap=overlap, async_drafting=async_drafting,
             grammar_compile_timeout_s=grammar_compile_timeout,
             resilience=ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,

@@ -282,6 +282,13 @@ http_api_options = option_group(
     opt("--http-port", default=8000, type=click.IntRange(0, 65535),
         help="Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
              "/v1/models, /tokenize, /metrics, /health) on --host; 0 = off."),
+    opt("--http-max-connections", default=1024, type=click.IntRange(1),
+        help="Open HTTP connections (and requests running) at most; beyond it, 503."),
+    opt("--http-header-timeout", default=10.0, type=click.FloatRange(0, min_open=True),
+        help="Seconds a connection has to send its next request's headers; then it is "
+             "closed (slow clients hold no connection for long)."),
+    opt("--http-keep-alive-timeout", default=5.0, type=click.FloatRange(0, min_open=True),
+        help="Seconds an idle keep-alive connection stays open."),
 )
 
 admission_options = option_group(

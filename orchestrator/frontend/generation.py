@@ -73,6 +73,9 @@ class Frontend:
     info: ServedModel | None = None
     limits: RequestLimits | None = None
     grammars: GrammarCompiler | str = "not loaded"
+    # Why the server does not serve although loaded (no scorer up, draining), or None: what
+    # the gRPC health says, for HTTP /health (orchestrator.serve sets both together).
+    unavailable: str | None = None
 
     def __init__(self, admission: Admission):
         # The output queue of every running generation, with its event loop.
@@ -86,6 +89,10 @@ class Frontend:
         self.loop, self.tokenizer, self.info, self.limits = loop, tokenizer, info, limits
         self.grammars = grammars
         self.loaded = True
+
+    def not_serving(self) -> str | None:
+        """Why health is NOT_SERVING (both APIs), or None when SERVING."""
+        return "still loading" if not self.loaded else self.unavailable
 
     @property
     def model_name(self) -> str:  # the served name (gen_ai.request.model)

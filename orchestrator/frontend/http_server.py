@@ -10,11 +10,38 @@ import logging
 import ssl
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from orchestrator.config import HttpLimits
 from specdecode.server import check_port_free
 from specdecode.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+
+class _HeaderTimeout(H11Protocol):
+    """h11 with a deadline on each request's headers (uvicorn has none: a client sending a
+    byte now and then held its connection for ever): a connection that has not completed
+    its next request's headers `header_timeout_s` after it opened or after its last
+    response is closed."""
+
+    header_timeout_s = 10.0
+
+    def _arm(self) -> None:
+        self.loop.call_later(self.header_timeout_s, self._expire, self.cycle)
+
+    def _expire(self, cycle) -> None:
+        waiting = cycle is None or cycle.response_complete  # no request started since
+        if self.cycle is cycle and waiting and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
 
 
 class _Server(uvicorn.Server):
@@ -25,9 +52,10 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, grace_seconds: float = 20.0,
-                 tls: TlsFiles = TlsFiles()):
+                 tls: TlsFiles = TlsFiles(), limits: HttpLimits = HttpLimits()):
         """tls: the gRPC server's certificate and key (HTTPS), and with a CA, client
-        certificates required (mutual TLS), as for gRPC."""
+        certificates required (mutual TLS), as for gRPC. limits: connections, header and
+        idle timeouts, header bytes (HttpLimits)."""
         tls_kw = {}
         if tls.enabled:
             tls_kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
@@ -38,7 +66,7 @@ class HttpServer:
         check_port_free(host, port, "--http-port")
         config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=grace_seconds,
-                                **tls_kw)
+                                **_limits(limits), **tls_kw)
         self.server = _Server(config)
         self.address = f"{host}:{port}"
         self._task: asyncio.Task | None = None
@@ -60,3 +88,14 @@ class HttpServer:
         self.server.should_exit = True
         with contextlib.suppress(BaseException):
             await self._task
+
+
+def _limits(limits: HttpLimits) -> dict:
+    """uvicorn.Config's arguments for `limits` (h11: the header bounds apply to it).
+    uvicorn answers 503 once its connections, the asking one included, reach
+    limit_concurrency: one more, so that max_connections are served."""
+    protocol = type("HeaderTimeout", (_HeaderTimeout,),
+                    {"header_timeout_s": limits.header_timeout_s})
+    return {"http": protocol, "limit_concurrency": limits.max_connections + 1,
+            "timeout_keep_alive": limits.keep_alive_s,
+            "h11_max_incomplete_event_size": limits.max_header_bytes}

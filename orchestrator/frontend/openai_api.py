@@ -4,7 +4,8 @@
     POST /v1/chat/completions   messages, through the tokenizer's chat template
     GET  /v1/models             the served model (--served-model-name, else the target's)
     GET  /v1/models/{id}        that model, or 404
-    GET  /health, GET|POST /ping   200 when serving, 503 while loading (/ping: SageMaker's)
+    GET  /health, GET|POST /ping   200 when serving, 503 naming why not (loading, no scorer
+                                   up, draining): the gRPC health's state (/ping: SageMaker's)
 
 and vLLM's /tokenize, /detokenize, /version and /metrics (orchestrator.frontend.vllm_api).
 Every response carries an `X-Request-Id` (the client's, or a fresh one), which is also the
@@ -71,21 +72,23 @@ def create_app(frontend: Frontend, tokens: TokenSet | None = None,
     """The HTTP app over `frontend` (503 until it is attached).
     With `tokens` (the gRPC API's --auth-token-file), every /v1/ call needs one of them as
     `Authorization: Bearer <token>` (401 otherwise); /health stays open, as for gRPC.
-    A request body over `max_body_bytes` gets 413 before it is parsed."""
+    A request body over `max_body_bytes` gets 413 before it is parsed. The schema is at
+    /openapi.json (behind the tokens when there are some); /docs and /redoc are off."""
     app = FastAPI(title="specdecode OpenAI-compatible API", docs_url=None, redoc_url=None)
     api = _OpenAIApi(frontend)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
-    if tokens is not None:
-        require_token(app, tokens, ("/v1/", "/tokenize", "/detokenize"))
+    if tokens is not None:  # the API's schema too: it lists what a token opens
+        require_token(app, tokens, ("/v1/", "/tokenize", "/detokenize", "/openapi.json"))
     add_error_handlers(app)
 
     @app.get("/health")
     @app.get("/ping")
     @app.post("/ping")
     async def health():
-        if not frontend.loaded:
-            raise APIError(503, "still loading", "service_unavailable")
+        why = frontend.not_serving()
+        if why:
+            raise APIError(503, why, "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")

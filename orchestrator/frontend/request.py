@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from orchestrator.engine.detokenizer import Detokenizer
 from orchestrator.engine.request import Request
 from orchestrator.frontend.semconv import Operation
-from specdecode.limits import (MAX_REQUEST_ID_CHARS, MAX_SAMPLES, MAX_STOP_STRING_CHARS,
-                               MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, TEXT_BYTES_PER_TOKEN)
+from specdecode.limits import (MAX_CHAT_NAME_BYTES, MAX_REQUEST_ID_CHARS, MAX_SAMPLES,
+                               MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                               TEXT_BYTES_PER_TOKEN)
 from specdecode.errors import InvalidRequestError
 from specdecode.sequence import SamplingParams, validate_token_ids
 
@@ -80,6 +81,10 @@ class RequestLimits:
     vocab_size: int
     default_max_tokens: int = 256
     has_tokenizer: bool = True
+    # The chat template's own part of each message: tokens at least, bytes
+    # (orchestrator.frontend.chat_template.message_overhead).
+    chat_message_tokens: int = 1
+    chat_message_bytes: int = 0
 
     @property
     def max_text_bytes(self) -> int:
@@ -116,14 +121,27 @@ class RequestLimits:
             self._check_prompt_len(len(req.prompt), req.prompt_field)
 
     def check_messages(self, messages: list[dict[str, str]]) -> None:
-        """A conversation's size, before its chat template runs: every message renders at
-        least one token, and its text at most TEXT_BYTES_PER_TOKEN bytes per token."""
-        self._check_prompt_len(len(messages), "messages")
-        size = sum(len(v.encode()) for m in messages for v in m.values())
+        """A conversation's size, before its chat template runs: each message renders at
+        least the template's per-message tokens (chat_message_tokens), and all its parts
+        (role, name, content, and the template's chat_message_bytes per message) at most
+        TEXT_BYTES_PER_TOKEN bytes per token."""
+        for i, m in enumerate(messages):
+            for key in ("role", "name"):
+                size = len(m.get(key, "").encode())
+                if size > MAX_CHAT_NAME_BYTES:
+                    raise InvalidRequestError(f"messages[{i}].{key}", f"{size} bytes; at most "
+                                                                      f"{MAX_CHAT_NAME_BYTES}")
+        least = len(messages) * self.chat_message_tokens
+        if least > self.max_prompt_tokens:
+            raise InvalidRequestError("messages", f"{len(messages)} messages render at least "
+                                      f"{least} tokens ({self.chat_message_tokens} each); the "
+                                      f"limit is {self.max_prompt_tokens} (--max-prompt-tokens)")
+        size = sum(len(v.encode()) for m in messages for v in m.values()) + \
+            len(messages) * self.chat_message_bytes
         if size > self.max_text_bytes:
-            raise InvalidRequestError("messages", f"{size} bytes; at most {self.max_text_bytes} "
-                                                  f"({TEXT_BYTES_PER_TOKEN} per token of the "
-                                                  f"{self.max_prompt_tokens}-token limit)")
+            raise InvalidRequestError("messages", f"{size} bytes rendered; at most "
+                                      f"{self.max_text_bytes} ({TEXT_BYTES_PER_TOKEN} per token "
+                                      f"of the {self.max_prompt_tokens}-token limit)")
 
     def _check_prompt_len(self, n: int, field_name: str) -> None:
         if n > self.max_prompt_tokens:

@@ -11,10 +11,13 @@ machine these run on is shared and slow.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -75,6 +78,23 @@ def health(address: str) -> int:
                                                          timeout=5).status
 
 
+def http_health(base: str, path: str = "/health", method: str = "GET") -> tuple[int, dict]:
+    """(status, body) of an HTTP health route."""
+    request = urllib.request.Request(base + path, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_http_health(cluster: Cluster, status: int, says: str) -> None:
+    """/health and /ping (both methods) answer `status`, their body containing `says`."""
+    for path, method in (("/health", "GET"), ("/ping", "GET"), ("/ping", "POST")):
+        code, body = http_health(cluster.http, path, method)
+        assert code == status and says in json.dumps(body), (path, method, code, body)
+
+
 def held_sequences(cluster: Cluster) -> dict[str, float]:
     held = {name: cluster.metric(name, "specdecode_kv_cache_sequences")
             for name in [*cluster.scorers, *cluster.proposers]}
@@ -94,7 +114,7 @@ def wait_all_released(cluster: Cluster) -> None:
 def pair(tiny_model_dirs, tmp_path_factory):
     cluster = Cluster(tiny_model_dirs, tmp_path_factory.mktemp("pair"), orchestrator_args=(
         "--proposer-timeout", str(PROPOSER_TIMEOUT_S), "--scorer-retry-timeout", "3",
-        "--grace-seconds", "0.5"))
+        "--grace-seconds", "0.5"), http=True)
     try:
         yield cluster.start()
     finally:
@@ -255,9 +275,11 @@ def test_timeout_keeps_the_last_scorer_on_the_ring(pair, reference):
 
 def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
     """The only scorer killed: the running stream fails with UNAVAILABLE naming the scorer
-    within the retry deadline, the orchestrator reports NOT_SERVING, later requests fail
-    at once; when the scorer is back, so is the orchestrator."""
+    within the retry deadline, the orchestrator reports NOT_SERVING on both APIs (HTTP
+    /health and /ping 503 naming why), later requests fail at once; when the scorer is
+    back, so is the orchestrator, on both."""
     address = pair.address("orchestrator")
+    assert_http_health(pair, 200, '"ok"')
     with SpecDecodeClient(address) as client:
         responses = client.stream(PROMPTS[0], max_tokens=MAX_TOKENS, num_speculative_tokens=0)
         next(responses)
@@ -273,6 +295,8 @@ def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
     assert failed_after <= 3 + 2, failed_after  # --scorer-retry-timeout 3, plus a step
     pair.wait_for(lambda: health(address) == health_pb2.HealthCheckResponse.NOT_SERVING, 5,
                   "NOT_SERVING without a scorer")
+    pair.wait_for(lambda: http_health(pair.http)[0] == 503, 5, "/health 503 without a scorer")
+    assert_http_health(pair, 503, "no scorer replica is up")
     time.sleep(3)  # now down for longer than the retry budget: new streams fail at once
     start = time.monotonic()
     with SpecDecodeClient(address) as client, pytest.raises(grpc.RpcError) as err:
@@ -282,6 +306,8 @@ def test_scorer_down_for_good_fails_fast_and_recovers(pair, reference):
     pair.start_service("scorer0")
     pair.wait_for(lambda: health(address) == health_pb2.HealthCheckResponse.SERVING, 5,
                   "SERVING once the scorer is back")
+    pair.wait_for(lambda: http_health(pair.http)[0] == 200, 5, "/health 200 with the scorer")
+    assert_http_health(pair, 200, '"ok"')
     with SpecDecodeClient(address) as client:
         assert client.generate(PROMPTS[1], max_tokens=24).token_ids == reference(1)[:24]
     print(f"\nstream failed {failed_after:.2f}s after the scorer's kill: {message}")

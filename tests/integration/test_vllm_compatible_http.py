@@ -196,3 +196,21 @@ def test_http_metrics_carry_vllms_names_beside_ours(client, http):
         assert value(theirs) == value(ours), theirs
     assert value("specdecode_time_per_output_token_seconds_count") >= 1
     assert "# TYPE vllm:e2e_request_latency_seconds histogram" in text
+
+
+@pytest.mark.parametrize("messages, param, says", [
+    ([{"role": "user", "content": ""}] * 60_000, "messages", "60000 messages render at least"),
+    # below the message count limit, above it with the template's tokens per message
+    ([{"role": "user", "content": ""}] * 3_000, "messages", "3000 messages render at least"),
+    ([{"role": "r" * (1 << 20), "content": "hi"}], "messages[0].role", "1048576 bytes"),
+])
+def test_chat_is_refused_before_its_template_runs(http, messages, param, says):
+    """Too many or too large messages get 400 naming the field from the bound on the
+    rendered prompt (message count times the template's tokens per message, every part's
+    bytes), not after tokenizing (that refusal says "tokens; the limit is")."""
+    for path, body in (("/v1/chat/completions", {"model": SERVED, "max_tokens": 1}),
+                       ("/tokenize", {})):
+        r = http.post(path, json={**body, "messages": messages})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, (path, r.text[:300])
+        assert error["message"].startswith(param) and says in error["message"], error

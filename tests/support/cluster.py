@@ -19,8 +19,11 @@ from specdecode_stack.local import free_port, wait_process_serving
 class Cluster:
     def __init__(self, model_dirs: dict[str, str], log_dir: Path, *, scorers: int = 1,
                  proposers: int = 1, draft: str = "draft", k: int = 3,
-                 orchestrator_args: tuple[str, ...] = ()):
+                 orchestrator_args: tuple[str, ...] = (), http: bool = False):
         self.dirs, self.log_dir, self.k = model_dirs, log_dir, k
+        # http: the first orchestrator also serves the HTTP API, at self.http
+        self.http_port = free_port() if http else 0
+        self.http = f"http://127.0.0.1:{self.http_port}"
         self.draft = model_dirs.get(draft, draft)
         self.orchestrator_args = orchestrator_args
         self.ports: dict[str, int] = {}
@@ -64,7 +67,8 @@ class Cluster:
             name, "orchestrator", "--proposer", ",".join(self.address(p) for p in self.proposers),
             "--scorer", ",".join(self.address(s) for s in self.scorers), "--tokenizer", "none",
             "--num-speculative-tokens", str(self.k), "--speculation", "fixed",
-            "--health-interval", "0.5", "--http-port", "0", *self.orchestrator_args, *args)
+            "--health-interval", "0.5", "--http-port",
+            str(self.http_port if name == "orchestrator" else 0), *self.orchestrator_args, *args)
         self.wait_serving(name)
 
     def wait_serving(self, name: str) -> None:

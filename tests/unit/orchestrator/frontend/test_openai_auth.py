@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
     """With --auth-token-file the OpenAI API asks for the same tokens (401 in OpenAI's shape
-    without one); /health stays open, as the gRPC health service does."""
+    without one), its schema (/openapi.json) too; /health stays open, as the gRPC health
+    service does."""
     from fastapi.testclient import TestClient
 
     from orchestrator.frontend.admission import Admission
@@ -28,3 +29,8 @@ def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
             assert http.post(path, json={}).status_code == 401, path
         assert http.get("/version").status_code == 200 and http.get("/metrics").status_code == 200
         assert http.get("/ping").status_code == 503
+        # The schema lists what a token opens: behind the tokens; the browsable docs are off.
+        assert http.get("/openapi.json").status_code == 401
+        schema = http.get("/openapi.json", headers={"Authorization": "Bearer secret-1"})
+        assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+        assert http.get("/docs").status_code == http.get("/redoc").status_code == 404

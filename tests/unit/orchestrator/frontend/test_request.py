@@ -88,3 +88,32 @@ def test_only_the_request_validator_checks_max_tokens():
     naming = [str(p.relative_to(ROOT)) for d in libraries for p in (ROOT / d).rglob("*.py")
               if re.search(r"InvalidRequestError\(\s*\"max_tokens\"", p.read_text())]
     assert naming == ["orchestrator/frontend/request.py"]
+
+
+# The chat template's part of each message (SmolLM2's "<|im_start|>user\n<|im_end|>\n").
+CHAT_LIMITS = RequestLimits(256, 255, 3, 256, chat_message_tokens=4, chat_message_bytes=28)
+EMPTY = {"role": "user", "content": ""}
+
+
+@pytest.mark.parametrize("messages, field, says", [
+    ([EMPTY] * 64, "messages", "64 messages render at least 256 tokens"),  # 64 < 255
+    ([{"role": "user", "content": "x" * 8150}], "messages", "bytes rendered"),
+    ([{"role": "u" * 1_000_000, "content": ""}], "messages[0].role", "1000000 bytes"),
+    ([EMPTY, {**EMPTY, "name": "n" * 300}], "messages[1].name", "300 bytes"),
+])
+def test_a_conversation_is_bounded_before_its_template_runs(messages, field, says):
+    """Message count times the template's tokens per message, and every part's bytes plus
+    the template's, against the prompt limit; a role or name over its bound is named."""
+    with pytest.raises(InvalidRequestError) as err:
+        CHAT_LIMITS.check_messages(messages)
+    assert err.value.field == field and says in str(err.value), str(err.value)
+    CHAT_LIMITS.check_messages([EMPTY] * 63)  # 63 x 4 = 252 tokens: may fit
+
+
+def test_the_template_overhead_is_measured_from_the_tokenizer():
+    """SmolLM2's template adds "<|im_start|>user\\n<|im_end|>\\n" per message: 5 tokens
+    (4 counted: the bound stays below what renders), 28 bytes."""
+    from orchestrator.frontend.chat_template import message_overhead
+    from specdecode.models import load_tokenizer
+    assert message_overhead(load_tokenizer(None)) == (4, 28)
+    assert message_overhead(None) == (1, 0)
