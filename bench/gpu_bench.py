@@ -8,7 +8,7 @@ a static cache, verify-vs-decode cost, and efficiency against Leviathan et al.'s
 
 Forwards are compiled (specdecode/compiled_forward.py: torch.compile, CUDA graphs through
 mode="reduce-overhead", flex attention over the KV pool) unless --enforce-eager; CI runs the
-same code on CPU (`tests/unit/specdecode/test_compiled_forward.py`, and this script with
+same code on CPU (`tests/integration/test_compiled_forward.py`, and this script with
 --small under -m slow). No package beyond torch is needed on the device for the fast path.
 
 Carry to a lent device (the repository travels as the working tree): a folder of wheels for

@@ -20,9 +20,10 @@ import torch
 
 from specdecode.model_runner import ModelRunner, RunnerRow
 from specdecode_stack.inprocess import build_inprocess_engine
-from tests.conftest import CPU, greedy_request, reference_greedy
+from tests.support.models import CPU, greedy_request
+from tests.support.references import reference_greedy
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 43], [7, 8, 9, 7, 8, 9]]
 
 
