@@ -253,7 +253,8 @@ class LocalStack:
         return codes
 
     def __enter__(self) -> LocalStack:
-        self.start()
+        if not self.processes:  # a stack started before `with` is not started again
+            self.start()
         return self
 
     def __exit__(self, *exc) -> None:
