@@ -134,6 +134,12 @@ DETERMINISTIC_HELP = ("on: row-invariant numerics, so that a sequence's logits d
                       "numerics); off: the fastest kernels for each shape; auto: on for "
                       "bfloat16 and float16, off for float32.")
 
+# Each in two groups: a server's (serve proposer|scorer, serve orchestrator) and the stack's.
+deterministic_option = opt("--deterministic", default=DEFAULTS.deterministic,
+                           type=click.Choice(DETERMINISTIC_CHOICES), help=DETERMINISTIC_HELP)
+async_drafting_option = opt("--async-drafting", default=DEFAULTS.async_drafting,
+                            type=click.Choice(ASYNC_DRAFTING), help=ASYNC_DRAFTING_HELP)
+
 
 model_options = option_group(
     "Model and device",
@@ -151,8 +157,7 @@ model_options = option_group(
         help="Eager forwards, or decode and verify forwards compiled at start-up "
              "(torch.compile; CUDA graphs on CUDA). Default: compiled on an accelerator, "
              "eager on CPU."),
-    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(DETERMINISTIC_CHOICES),
-        help=DETERMINISTIC_HELP),
+    deterministic_option,
     opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
         type=click.IntRange(1),
         help="Widest forward (new tokens per row) the forward-cost table times, every width "
@@ -262,8 +267,7 @@ orchestrator_service_options = option_group(
         help="Split the running sequences into two groups that alternate, so the proposer drafts "
              "one while the scorer verifies the other (same output; pays when they are on "
              "different hosts or cores; prompts are then not prefilled in chunks)."),
-    opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
-        help=ASYNC_DRAFTING_HELP),
+    async_drafting_option,
     opt("--service-tls-ca", default=None, type=click.Path(dir_okay=False),
         help="PEM CA that signs the proposer's and scorer's certificates: connect to them over "
              "TLS (checking the certificate against the --proposer/--scorer host name), "
@@ -338,8 +342,7 @@ stack_model_options = option_group(
         help=DRAFT_VOCAB_HELP),
     opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
         help=DRAFT_CONFIDENCE_HELP),
-    opt("--deterministic", default=DEFAULTS.deterministic, type=click.Choice(DETERMINISTIC_CHOICES),
-        help=DETERMINISTIC_HELP),
+    deterministic_option,
 )
 
 stack_speculation_options = option_group(
@@ -349,8 +352,7 @@ stack_speculation_options = option_group(
         type=click.IntRange(0, MAX_K), help="The most draft tokens per step."),
     opt("--speculation", default=DEFAULTS.speculation, type=click.Choice(SPECULATION),
         help="adaptive: k per sequence and step from measured costs; fixed: always k."),
-    opt("--async-drafting", default=DEFAULTS.async_drafting, type=click.Choice(ASYNC_DRAFTING),
-        help=ASYNC_DRAFTING_HELP),
+    async_drafting_option,
 )
 
 _stack_port = plain("--port", default=DEFAULTS.port, type=int,
