@@ -4,28 +4,18 @@ bench/invariance.py (probes and costs) and bench/deterministic_bench.py (the sta
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benches import run_bench
 
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 
 @pytest.mark.slow  # a minute of probes; the operators' own checks run in tests/unit
 def test_invariance_probes_find_every_row_equal_with_the_mode_on(tmp_path):
     out = tmp_path / "invariance.json"
-    r = bench("bench/invariance.py", "--model", "tiny", "--quick", "--repeats", "1",
-              "--dtypes", "bfloat16,float32", "--out", str(out))
+    r = run_bench("bench/invariance.py", "--model", "tiny", "--quick", "--repeats", "1",
+                  "--dtypes", "bfloat16,float32", "--out", str(out), timeout=900)
     result = json.loads(out.read_text())
     probes = result["probes"]
     assert {(p["dtype"], p["deterministic"]) for p in probes} == {
@@ -41,9 +31,10 @@ def test_invariance_probes_find_every_row_equal_with_the_mode_on(tmp_path):
 
 
 def test_deterministic_bench_outputs_equal_the_target_only_batch_1_output(tmp_path):
-    bench("bench/deterministic_bench.py", "--pair", "tiny", "--modes", "on",
-          "--scorings", "multi-query", "--streams", "1,2", "--classes", "code,copy",
-          "--per-class", "1", "--max-tokens", "8", "--results", str(tmp_path))
+    run_bench("bench/deterministic_bench.py", "--pair", "tiny", "--modes", "on",
+              "--scorings", "multi-query", "--streams", "1,2", "--classes", "code,copy",
+              "--per-class", "1", "--max-tokens", "8", "--results", str(tmp_path),
+              timeout=900)
     rows = json.loads((tmp_path / "deterministic_tiny_bfloat16.json").read_text())
     assert [(r["path"], r["streams"]) for r in rows] == [
         ("target-only", 1), ("defaults", 1), ("defaults", 2), ("k=0", 2)]

@@ -4,25 +4,15 @@ change to what they call fails here, not on the next day of measurements."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benches import run_bench
 
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 
 def test_structured_bench_compares_speculation_with_k0_on_the_tiny_pair(tmp_path):
     out = tmp_path / "structured.json"
-    run("bench/structured_bench.py", "--pair", "tiny", "--dtype", "float32", "--ks", "2",
-        "--max-tokens", "24", "--repeats", "1", "--out", str(out))
+    run_bench("bench/structured_bench.py", "--pair", "tiny", "--dtype", "float32", "--ks", "2",
+              "--max-tokens", "24", "--repeats", "1", "--out", str(out))
     rows = {row["k"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {0, 2}
     assert rows[2]["acceptance"] is not None and rows[0]["acceptance"] is None
@@ -32,8 +22,8 @@ def test_structured_bench_compares_speculation_with_k0_on_the_tiny_pair(tmp_path
 
 def test_grammar_engines_bench_measures_the_chosen_engine(tmp_path):
     out = tmp_path / "engines.json"
-    r = run("bench/grammar_engines.py", "--tokenizers", "smollm2", "--engines", "llguidance",
-            "--repeats", "1", "--out", str(out))
+    r = run_bench("bench/grammar_engines.py", "--tokenizers", "smollm2", "--engines", "llguidance",
+                  "--repeats", "1", "--out", str(out))
     (row,) = json.loads(out.read_text())
     assert row["engine"] == "llguidance" and row["mask_us_median"] > 0
     assert "llguidance" in r.stdout
