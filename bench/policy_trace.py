@@ -45,9 +45,9 @@ def show_table(name: str, costs) -> None:
 
 
 def factors(p: SpeculationPolicy) -> str:
-    verify = ",".join(f"{w}:{f.value:.2f}" for w, f in sorted(p.verify_factor.items()))
+    shape = ",".join(f"{w}:{f.value:.2f}" for w, f in sorted(p.verify_shape.items()))
     return (f"draft x{p.draft_factor.value:.2f} catch-up x{p.catch_up_factor.value:.2f} "
-            f"verify[{verify}] host x{p.host:.2f} rpc {p.rpc_s.value * 1e3:.0f}ms "
+            f"verify x{p.verify_host.value:.2f} shape[{shape}] host x{p.host:.2f} rpc {p.rpc_s.value * 1e3:.0f}ms "
             f"propose-rpc {p.propose_rpc_s.value * 1e3:.0f}ms step {p.step_s.value * 1e3:.0f}ms")
 
 
@@ -58,11 +58,14 @@ def factors(p: SpeculationPolicy) -> str:
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--k-max", default=4, show_default=True, help="--num-speculative-tokens")
 @click.option("--draft", default="model", type=click.Choice(["model", "ngram"]), show_default=True)
-def main(pair, dtype, classes, max_tokens, k_max, draft) -> None:
+@click.option("--two-hosts", is_flag=True,
+              help="Pin the proposer to core 0 and the scorer to core 1 (async_bench's two hosts).")
+def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts) -> None:
     target_dir, draft_dir, encode = pair_dirs(pair)
     draft_model = str(draft_dir) if draft == "model" else "ngram"
     config = StackConfig(target_model=str(target_dir), draft_model=draft_model, tokenizer="none",
-                         device="cpu", dtype=dtype, port=0, num_speculative_tokens=k_max)
+                         device="cpu", dtype=dtype, port=0, num_speculative_tokens=k_max,
+                         pin={"proposer": "0", "scorer": "1"} if two_hosts else {})
     with LocalStack(config) as stack:
         proposer, scorer, p_info, s_info = connect_services(
             stack.service_addresses["proposer"], stack.service_addresses["scorer"], [],

@@ -15,14 +15,17 @@ plus one: P(max_i L_i <= m) = Π_i P(L_i <= m).
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.cost_model import ForwardCosts
 
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
-OVERHEAD_WEIGHT = 0.2  # EWMA weight of one step's measured times (once warmed up)
+LEARNED_WINDOW = 9  # a learned time or factor: the median of this many recent steps
 TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
 
 
@@ -95,19 +98,19 @@ def total_pmf(pmfs: list[list[float]]) -> list[float]:
 def verify_extra(costs: ForwardCosts, method: str, pmfs: list[list[float]],
                  factor: Callable[[int], float]) -> float:
     """Expected seconds of a step's verify beyond a decode (V(B, 1)), pmfs[i] the
-    distribution of row i's proposal length, each width w's cost times factor(w) (what was
-    measured there). Priced as it runs: multi-query feeds every row its own L_i + 1 query
-    tokens (packed, not padded), so a forward of B rows and Σ(L_i + 1) tokens costs the
-    table at B rows and their mean width; batch expansion feeds B + Σ L_i rows (at their
-    mean), each padded to the longest proposal M + 1. Nothing proposed: the call is a
-    decode."""
+    distribution of row i's proposal length, each width w's cost times factor(w) (measured
+    forwards over the table's there). Priced as it runs: multi-query feeds every row its own
+    L_i + 1 query tokens (packed, not padded), so a forward of B rows and Σ(L_i + 1) tokens
+    costs the table at B rows and their mean width; batch expansion feeds B + Σ L_i rows
+    (at their mean), each padded to the longest proposal M + 1. Nothing proposed: the call
+    is a decode."""
     B = len(pmfs)
-    decode = costs(B, 1)
+    decode = costs(B, 1) * factor(1)
     if method == "multi-query":
-        return sum(p * (costs(B, 1 + t / B) - decode) * factor(round(1 + t / B))
+        return sum(p * (costs(B, 1 + t / B) * factor(round(1 + t / B)) - decode)
                    for t, p in enumerate(total_pmf(pmfs)) if t and p)
     rows = round(B + sum(mean_length(p) for p in pmfs))
-    return sum(p * (costs(rows, m + 1) - decode) * factor(m + 1)
+    return sum(p * (costs(rows, m + 1) * factor(m + 1) - decode)
                for m, p in enumerate(longest_pmf(pmfs)) if m and p)
 
 
@@ -146,6 +149,7 @@ class Acceptance:
 
     accepted: float = 0.0  # draft tokens accepted before the first rejection
     tried: float = 0.0  # positions that were tested (accepted + the first rejected one)
+    positions: int = 0  # ... and all of them, never decayed (the evidence behind alpha)
     proposed: float = 0.0  # steps where the proposer returned tokens ...
     asked: float = 0.0  # ... out of steps it was asked for some (n-gram may find none)
     continued: float = 0.0  # draft positions after which the draft went on ...
@@ -156,8 +160,13 @@ class Acceptance:
     explore_after: int = EXPLORE_FIRST  # ... before it is explored (doubles each time)
     exploring: bool = False  # its last speculative step was an exploration
 
-    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT) -> float:
-        return (self.accepted + weight * prior) / (self.tried + weight)
+    def alpha(self, prior: float, weight: float = PRIOR_WEIGHT, optimism: float = 0.0) -> float:
+        """The posterior mean of the per-token acceptance (decayed counts; the prior
+        counts `weight` trials), plus `optimism` standard deviations of a Beta posterior
+        of every position tested (the decay keeps the mean recent, not the evidence thin)."""
+        mean = (self.accepted + weight * prior) / (self.tried + weight)
+        evidence = self.positions + weight + 1.0
+        return min(mean + optimism * math.sqrt(mean * (1.0 - mean) / evidence), 1.0)
 
     def trusted_k(self) -> int:
         """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
@@ -184,7 +193,9 @@ class Acceptance:
         """asked: k requested; proposed: tokens the proposer returned; accepted: the accepted
         prefix length (tokens emitted - 1)."""
         self.accepted = decay * self.accepted + accepted
-        self.tried = decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        tested = accepted + (1 if accepted < proposed else 0)
+        self.tried = decay * self.tried + tested
+        self.positions += tested
         if asked:
             self.asked = decay * self.asked + 1
             self.proposed = decay * self.proposed + (1 if proposed else 0)
@@ -197,12 +208,20 @@ class Acceptance:
 
 @dataclass
 class Learned:
-    """A running mean that trusts its first samples fully (1/n) and then weighs each new one
-    OVERHEAD_WEIGHT, so one observation replaces a start-up guess and later ones track drift."""
+    """The median of the last LEARNED_WINDOW samples (the start-up guess until the first):
+    one sample replaces the guess, a step preempted on a busy host (a 10 ms forward read
+    100 ms) moves it not at all, and a lasting change is followed within half the window."""
 
     value: float
     n: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=LEARNED_WINDOW), repr=False)
 
     def add(self, x: float) -> None:
         self.n += 1
-        self.value += max(OVERHEAD_WEIGHT, 1.0 / self.n) * (x - self.value)
+        self.recent.append(x)
+        self.value = statistics.median(self.recent)
+
+    def scale(self, factor: float) -> None:
+        """Every sample (and the value) times `factor`."""
+        self.recent = deque((x * factor for x in self.recent), maxlen=LEARNED_WINDOW)
+        self.value *= factor

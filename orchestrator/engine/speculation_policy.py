@@ -18,13 +18,20 @@ still emit. A draft model's catch-up (the tokens it missed while the sequence de
 plainly) is priced at its real width and spread over the speculative steps the request has
 left.
 
-The tables are mended by what the steps take: an additive term learned on plain steps, a
-factor per verify width on what verifying costs beyond a decode, factors on the draft's
-steady and catch-up forwards. A table taken on a busy host must not lock speculation off:
+The tables are mended by what the steps take, each correction well conditioned and robust
+to a preempted step (Learned: a running median): the scoring call's time outside the
+scorer's forward (the RPC: the call less the time the scorer reports working), the scale of
+the scorer's forwards against its table (the reported time over the table's cell, at
+whatever width the step ran, plain or speculative: the table gives the shape across widths,
+the steps its scale), factors on the draft's steady and catch-up forwards. (A factor on the
+cost of verifying *beyond* a decode, learned per width, was ill conditioned: in bf16 a
+5-token verify costs about a decode, so 10 ms of noise read as a 3-20x factor that priced
+every wider verify out, and the policy sat at k = 1.) A table taken on a busy host must not
+lock speculation off:
 
-- when plain steps run faster than the table's decode by HOST_DRIFT (the load that inflated
-  the start-up table is gone), every factor is rescaled by the measured ratio, the tables
-  count as unchecked again and every sequence is due for exploration;
+- when the scorer's scale falls by HOST_DRIFT (the load that inflated the start-up tables is
+  gone, or less of it), the draft's factors follow it, the tables count as unchecked again
+  and every sequence is due for exploration;
 - while plain decoding is chosen, the most promising speculative plan runs now and then
   instead (exploration): a sequence after 8 of its plain steps, then 16, ... 256, and at
   once after a fresh table when fully accepted speculation would pay well; the first
@@ -55,6 +62,13 @@ __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens
 DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
 IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
 GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
+# A sequence that has speculated decodes plainly only when speculation would not pay even
+# at an acceptance this many posterior standard deviations above the mean (the k among
+# speculative plans is the mean's; a fresh sequence is explored instead): one rejection in a sequence's first step (one in four at 75% acceptance) read as
+# 32%, and with a second at its first exploration it decoded plainly for good (the waits
+# double); evidence that thin now leaves it speculating until there is more.
+OPTIMISM = 1.0
+EXTRA_MIN = 0.25  # a verify's cost beyond a decode, in decodes, that a correction may scale
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
 EXPLORE_MAX = 256  # the wait between a sequence's explorations doubles up to this
 EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
@@ -62,7 +76,7 @@ EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its 
 EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
 # when the tables say fully accepted speculation would run this much faster
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
-HOST_DRIFT = 1.3  # plain steps this much faster than the table's decode: rescale
+HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
 NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
 
 # Why a sequence got its k. k > 0: speculate (the costs say it pays), explore (measuring
@@ -103,15 +117,17 @@ class SpeculationPolicy:
         self._newer_lock = threading.Lock()
 
     def _forget_tables(self) -> None:
-        """What was learned about the tables: a plain scoring call beyond the table's decode
-        (RPC, and the table's error); factors per verify width (on the cost beyond a
-        decode) and on the draft's forwards; the host's speed they assume."""
-        self.rpc_s = Learned(0.0)
+        """What was learned about the tables: the scoring call's RPC, the scale of the
+        scorer's forwards, factors on the draft's forwards and the host's speed they
+        assume."""
+        self.rpc_s = Learned(0.0)  # a scoring call beyond the time the scorer reports
         self.propose_rpc_s = Learned(0.0)  # a proposer call beyond the time it reports
-        self.verify_factor: dict[int, Learned] = {}
+        self.verify_host = Learned(1.0)  # the scorer's decodes / the table's (plain steps)
+        self.verify_shape: dict[int, Learned] = {}  # width -> its forwards / the table's,
+        # over verify_host: where the table's shape is off (timed while the other service loaded)
         self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
         self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
-        self.host = 1.0  # measured plain scoring / the table's decode, as applied
+        self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
 
     def update_table(self, role: str, costs: ForwardCosts) -> None:
@@ -155,6 +171,11 @@ class SpeculationPolicy:
         best = plain
         if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
             best = best_spec
+        else:  # the evidence against speculating may be thin: what it could still gain
+            hopeful = [a.alpha(prior, optimism=OPTIMISM if a.positions else 0.0) for a in est]
+            spec = self._search(trusted, hopeful, rates, lambda ks: evaluate(ks, hopeful))
+            if spec is not None and rate(spec) > rate(plain) * GAIN_MARGIN:
+                best = evaluate(spec.ks)  # priced at the posterior means
         # The most speculation could gain: fully accepted, every proposal found, at up to
         # the caps, its steady steps (the catch-up is a probe's price, not the gain's).
         sure = 1.0
@@ -271,7 +292,8 @@ class SpeculationPolicy:
         distribution of row i's proposal length."""
         ks = plan.ks
         B = len(ks)
-        seconds = self.step_s.value + self.scorer_costs(B, 1) + self.rpc_s.value  # a plain call
+        decode = self._verify_factor(1) * self.scorer_costs(B, 1)
+        seconds = self.step_s.value + decode + self.rpc_s.value  # a plain call
         plan.scoring = "multi-query" if self.scoring == "auto" else self.scoring
         if max(ks) == 0:
             plan.seconds = max(seconds, 1e-6)
@@ -309,17 +331,29 @@ class SpeculationPolicy:
                                                 self._verify_factor))
         return risk
 
+    def _verify_factor(self, width: int) -> float:
+        """The scorer's measured forwards over the table's at `width`: the host's scale times
+        the shape's correction there, carried from the nearest width a step measured (none:
+        the table's shape) -- on what verifying costs beyond a decode where the table has
+        enough of that to measure (EXTRA_MIN; a table timed while the other service loaded
+        read every verify 4x a decode), else on the whole forward (bf16: a 5-token verify
+        costs about a decode, and a ratio of that difference is noise)."""
+        host = self.verify_host.value
+        if width == 1 or not self.verify_shape:
+            return host
+        near = min(self.verify_shape, key=lambda w: (abs(w - width), w))
+        shape = self.verify_shape[near].value
+        costs = self.scorer_costs
+        decode, at_near, at_width = costs(1, 1), costs(1, near), costs(1, width)
+        if near == width or at_near - decode < EXTRA_MIN * decode:
+            return host * shape
+        beyond = max(at_near * shape - decode, 0.0) / (at_near - decode)
+        return host * (decode + (at_width - decode) * beyond) / at_width
+
     def _propose_rpc(self) -> float:
         """A proposer call's time around its forwards: measured where the service reports
         its own time, else taken to be the scorer's."""
         return max(self.propose_rpc_s.value if self.propose_rpc_s.n else self.rpc_s.value, 0.0)
-
-    def _verify_factor(self, width: int) -> float:
-        """The learned factor of the nearest verify width measured (the host's speed
-        before any)."""
-        if not self.verify_factor:
-            return self.host
-        return self.verify_factor[min(self.verify_factor, key=lambda w: (abs(w - width), w))].value
 
     # -- learning ----------------------------------------------------------------------------
 
@@ -346,26 +380,15 @@ class SpeculationPolicy:
 
     def observe_step(self, plan: Plan, lens: list[int], propose_s: float, score_s: float,
                      total_s: float, busy: dict[str, float] | None = None) -> None:
-        """Learn from a step's measured times: the time around the calls (RPCs, sampling,
-        bookkeeping) on plain steps, the factor by which the tables were off on speculative
-        ones. lens: the proposal lengths actually scored; busy: role -> the seconds the
+        """Learn from a step's measured times: the time around the calls (sampling,
+        bookkeeping), the scoring call's RPC and the scale of the scorer's forwards (every
+        step), the draft's factors (speculative steps). lens: the proposal lengths actually scored; busy: role -> the seconds the
         remote service reported working on the step's calls (0 or absent in-process)."""
         if not (self.adaptive and self.measure_overheads and plan.ks):
             return
         busy = busy or {}
-        if busy.get("scorer", 0.0) > 0 and self.rpc_s.n == 0:  # no plain step measured yet
-            self.rpc_s.add(score_s - busy["scorer"])
         self.step_s.add(max(total_s - propose_s - score_s, 0.0))
-        width = verify_width(plan.scoring or "multi-query", lens)
-        decode = self.scorer_costs(len(lens), 1)
-        if width == 1:  # a decode (n-gram may have found nothing): the RPC, and the table's error
-            self.rpc_s.add(score_s - decode)
-            self._follow_host(decode)
-        else:  # how far off the table's cost of verifying beyond a decode was
-            extra = verify_seconds(self.scorer_costs, plan.scoring or "multi-query", lens) - decode
-            self.verify_factor.setdefault(width, Learned(self.host)).add(
-                _factor(score_s - self.rpc_s.value - decode, extra))
-            self.checked = True
+        self._learn_scorer(plan.scoring or "multi-query", lens, score_s, busy.get("scorer", 0.0))
         if max(plan.ks):
             if self.draft_model:
                 # Priced as drafted: an early stop ran fewer forwards than the plan expected.
@@ -379,16 +402,37 @@ class SpeculationPolicy:
             else:
                 self.ngram_s.add(propose_s)
 
-    def _follow_host(self, decode: float) -> None:
-        """Plain steps HOST_DRIFT faster than the host the factors assume (the load that
-        inflated a start-up table is gone, or less of it): rescale every factor to the
-        measured speed, count the tables as unchecked and make every sequence due."""
-        host = min((decode + self.rpc_s.value) / decode, 1.0) if decode > 0 else 1.0
+    def _learn_scorer(self, method: str, lens: list[int], score_s: float, busy: float) -> None:
+        """The RPC (the call less the time the scorer reports: 0 in-process, where nothing is
+        reported) and the scorer's forward over the table's cell: on a plain step the host's
+        scale, on a verify the shape's correction at its width (over the host's scale, so a
+        change of load, seen on plain steps, moves every width)."""
+        if busy > 0:
+            self.rpc_s.add(max(score_s - busy, 0.0))
+        forward = busy if busy > 0 else score_s - self.rpc_s.value
+        ratio = _factor(forward, verify_seconds(self.scorer_costs, method, lens))
+        width = verify_width(method, lens)
+        if width == 1:
+            self.verify_host.add(ratio)
+            self._follow_host()
+        else:
+            self.verify_shape.setdefault(width, Learned(1.0)).add(ratio / self.verify_host.value)
+            self.checked = True
+
+    def _follow_host(self) -> None:
+        """The scorer's decodes moved HOST_DRIFT from the host the draft's factors assume (the
+        load that inflated the start-up tables is gone, or came): the draft's factors that
+        no step measured yet follow it (its table was timed under the scorer's load; a
+        measured factor already holds the load it was measured under, and rescaling it too
+        counted the load twice: x16 on a busy host), the tables count as unchecked and
+        every sequence is due for exploration (which measures the draft again)."""
+        host = self.verify_host.value
         if 1 / HOST_DRIFT <= host / self.host <= HOST_DRIFT:
             return
         scale, self.host = host / self.host, host
-        for f in (*self.verify_factor.values(), self.draft_factor, self.catch_up_factor):
-            f.value *= scale
+        for f in (self.draft_factor, self.catch_up_factor):
+            if f.n == 0:
+                f.scale(scale)
         self.checked = False
         for est in self.seqs.values():
             est.plain_steps = max(est.plain_steps, est.explore_after)
