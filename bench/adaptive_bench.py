@@ -68,7 +68,10 @@ def chat(text: str) -> str:
 
 PROMPTS = {
     "code": ["def quicksort(arr):\n    \"\"\"Sort a list with quicksort.\"\"\"\n",
-             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"],
+             "def binary_search(items, target):\n    \"\"\"Index of target in the sorted list "
+             "items, or -1.\"\"\"\n"],
+    "class": ["class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+              "class Point:\n    \"\"\"A point in the plane.\"\"\"\n\n    def __init__(self, x, y):\n"],
     "prose": ["The history of the printing press begins in fifteenth-century Europe, where",
               "Autumn arrived early that year in the small mountain village, and"],
     "qa": [chat("Why is the sky blue? Answer in two sentences."),

@@ -26,6 +26,8 @@ from specdecode.cost_model import ForwardCosts
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
 LEARNED_WINDOW = 9  # a learned time or factor: the median of this many recent steps
+FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
+LEARNED_TRUST = 3  # ... a cautious one believes a dearer reading from this many on
 TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
 
 
@@ -208,20 +210,53 @@ class Acceptance:
 
 @dataclass
 class Learned:
-    """The median of the last LEARNED_WINDOW samples (the start-up guess until the first):
-    one sample replaces the guess, a step preempted on a busy host (a 10 ms forward read
-    100 ms) moves it not at all, and a lasting change is followed within half the window."""
+    """The median of the last LEARNED_WINDOW samples (the start-up guess until the first): a
+    step preempted on a busy host (a 10 ms forward read 100 ms) moves it not at all, a
+    lasting change is followed within half the window. `cautious` (a cost factor): until
+    LEARNED_TRUST samples, the guess counts twice beside them where that reads cheaper, so
+    one preempted step cannot price speculation out (a lone verify read 13x its table kept
+    a stack plain for good: the waits between explorations double), while a step that
+    reads cheaper than the guess is believed at once (the busy start-up table)."""
 
     value: float
+    cautious: bool = False
     n: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=LEARNED_WINDOW), repr=False)
+
+    def __post_init__(self):
+        self.guess = self.value
 
     def add(self, x: float) -> None:
         self.n += 1
         self.recent.append(x)
         self.value = statistics.median(self.recent)
+        if self.cautious and self.n < LEARNED_TRUST:
+            self.value = min(self.value, statistics.median([*self.recent, self.guess, self.guess]))
 
     def scale(self, factor: float) -> None:
-        """Every sample (and the value) times `factor`."""
+        """Every sample, the guess and the value times `factor`."""
         self.recent = deque((x * factor for x in self.recent), maxlen=LEARNED_WINDOW)
         self.value *= factor
+        self.guess *= factor
+
+
+def factor_of(measured: float, predicted: float) -> float:
+    """measured / predicted, within FACTOR_RANGE (1 when nothing was predicted)."""
+    if predicted <= 0:
+        return 1.0
+    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+
+
+def trusted_limits(own: int, cap: int, risk: list[float]) -> list[int]:
+    """[cap + 1]: the most a sequence may speculate up to each k. On its own evidence it may
+    speculate `own` (Acceptance.trusted_k); beyond that, any k whose step risks no more
+    than those do were nothing accepted (risk[k]): where a wider verify is cheaper (fp32 on
+    CPU: 8 tokens measured 2.0 decodes, 3 tokens 3.6), a fresh sequence is not held to
+    the dear widths."""
+    budget = max(risk[:min(own, cap) + 1])
+    out, best = [], 0
+    for k in range(cap + 1):
+        if k <= own or risk[k] <= budget:
+            best = k
+        out.append(best)
+    return out

@@ -18,29 +18,18 @@ still emit. A draft model's catch-up (the tokens it missed while the sequence de
 plainly) is priced at its real width and spread over the speculative steps the request has
 left.
 
-The tables are mended by what the steps take, each correction well conditioned and robust
-to a preempted step (Learned: a running median): the scoring call's time outside the
-scorer's forward (the RPC: the call less the time the scorer reports working), the scale of
-the scorer's forwards against its table (the reported time over the table's cell, at
-whatever width the step ran, plain or speculative: the table gives the shape across widths,
-the steps its scale), factors on the draft's steady and catch-up forwards. (A factor on the
-cost of verifying *beyond* a decode, learned per width, was ill conditioned: in bf16 a
-5-token verify costs about a decode, so 10 ms of noise read as a 3-20x factor that priced
-every wider verify out, and the policy sat at k = 1.) A table taken on a busy host must not
-lock speculation off:
-
-- when the scorer's scale falls by HOST_DRIFT (the load that inflated the start-up tables is
-  gone, or less of it), the draft's factors follow it, the tables count as unchecked again
-  and every sequence is due for exploration;
-- while plain decoding is chosen, the most promising speculative plan runs now and then
-  instead (exploration): a sequence after 8 of its plain steps, then 16, ... 256, and at
-  once after a fresh table when fully accepted speculation would pay well; the first
-  exploration of a table risks 3% of the plain time its requests have left, later ones 2%
-  of the sequence's own plain time; a sequence left out while others speculate on their
-  merit is due again after 8 plain steps (their acceptance is evidence); an n-gram probe
-  that proposed nothing does not count as one;
-- the services re-measure their tables while idle when they drift
-  (specdecode.recalibration), and a newer table replaces the policy's (update_table).
+The tables are mended by what the steps take, each correction a ratio of whole times and a
+running median (docs/design.md, *Noisy hosts and thin evidence*): the scoring call's RPC,
+the host's scale from plain steps, each verify width's shape over it, the draft's factors.
+A table taken on a busy host must not lock speculation off: when plain steps move the
+host's scale by HOST_DRIFT, unmeasured draft factors follow, the tables count as unchecked
+and every sequence is due for exploration; while plain decoding is chosen the most
+promising speculative plan runs now and then (a sequence after 8 of its plain steps, then
+16, ... 256; at once after a fresh table when full acceptance would pay well; within 3% of
+the plain time its requests have left, later 2% of its own); a sequence that has
+speculated decodes plainly only when speculation would not pay at one posterior standard
+deviation above its acceptance; the services re-measure their tables while idle
+(specdecode.recalibration) and a newer table replaces the policy's (update_table).
 
 Every plan says why (Plan.reasons, per sequence: REASONS) and its predicted speed-up over
 plain decoding.
@@ -53,8 +42,9 @@ import threading
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.policy_plan import Candidate, Plan, horizon, rate, steady_rate
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
-                                                  draft_seconds, expected_tokens, length_pmf,
-                                                  point_pmf, verify_extra, verify_width)
+                                                  draft_seconds, expected_tokens, factor_of,
+                                                  length_pmf, point_pmf, trusted_limits,
+                                                  verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
 
 __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]
@@ -63,10 +53,8 @@ DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative st
 IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
 GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
 # A sequence that has speculated decodes plainly only when speculation would not pay even
-# at an acceptance this many posterior standard deviations above the mean (the k among
-# speculative plans is the mean's; a fresh sequence is explored instead): one rejection in a sequence's first step (one in four at 75% acceptance) read as
-# 32%, and with a second at its first exploration it decoded plainly for good (the waits
-# double); evidence that thin now leaves it speculating until there is more.
+# at this many posterior standard deviations above its mean acceptance (two early
+# rejections at 75% kept one plain for good; docs/design.md, *Noisy hosts*).
 OPTIMISM = 1.0
 EXTRA_MIN = 0.25  # a verify's cost beyond a decode, in decodes, that a correction may scale
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
@@ -75,7 +63,6 @@ EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of t
 EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its requests have left
 EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
 # when the tables say fully accepted speculation would run this much faster
-FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
 NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
 
@@ -122,11 +109,13 @@ class SpeculationPolicy:
         assume."""
         self.rpc_s = Learned(0.0)  # a scoring call beyond the time the scorer reports
         self.propose_rpc_s = Learned(0.0)  # a proposer call beyond the time it reports
-        self.verify_host = Learned(1.0)  # the scorer's decodes / the table's (plain steps)
-        self.verify_shape: dict[int, Learned] = {}  # width -> its forwards / the table's,
-        # over verify_host: where the table's shape is off (timed while the other service loaded)
-        self.draft_factor = Learned(1.0)  # steady draft forwards (1-2 new tokens)
-        self.catch_up_factor = Learned(1.0)  # the extra width of a catch-up forward
+        # Factors (measured / the table's): the scorer's decodes (plain steps) ...
+        self.verify_host = Learned(1.0, cautious=True)
+        # ... each verify width's forwards over verify_host (where the table's shape is off:
+        # timed while the other service loaded) ...
+        self.verify_shape: dict[int, Learned] = {}
+        self.draft_factor = Learned(1.0, cautious=True)  # ... steady draft forwards
+        self.catch_up_factor = Learned(1.0, cautious=True)  # ... a catch-up's extra width
         self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
 
@@ -158,7 +147,7 @@ class SpeculationPolicy:
         widest = self.scorer_costs.max_width - 1  # price only measured verify widths
         hard = [max(0, min(cap, c.remaining - 1, widest)) for cap, c in zip(caps, candidates)]
         risk = self._risks(max(hard, default=0))
-        trusted = [_trusted(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
+        trusted = [trusted_limits(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
         alphas = [a.alpha(prior) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)
@@ -410,13 +399,14 @@ class SpeculationPolicy:
         if busy > 0:
             self.rpc_s.add(max(score_s - busy, 0.0))
         forward = busy if busy > 0 else score_s - self.rpc_s.value
-        ratio = _factor(forward, verify_seconds(self.scorer_costs, method, lens))
+        ratio = factor_of(forward, verify_seconds(self.scorer_costs, method, lens))
         width = verify_width(method, lens)
         if width == 1:
             self.verify_host.add(ratio)
             self._follow_host()
         else:
-            self.verify_shape.setdefault(width, Learned(1.0)).add(ratio / self.verify_host.value)
+            shape = self.verify_shape.setdefault(width, Learned(1.0, cautious=True))
+            shape.add(ratio / self.verify_host.value)
             self.checked = True
 
     def _follow_host(self) -> None:
@@ -446,37 +436,15 @@ class SpeculationPolicy:
         always reads the prompt; charged to the catch-up alone, it left a start-up table
         8x too dear pricing every later draft step, and speculation never ran again)."""
         if catch_up and self.draft_factor.n == 0:
-            both = _factor(measured, steady + catch_up)
+            both = factor_of(measured, steady + catch_up)
             self.draft_factor.add(both)
             self.catch_up_factor.add(both)
         elif catch_up:
-            self.catch_up_factor.add(_factor(measured - self.draft_factor.value * steady,
+            self.catch_up_factor.add(factor_of(measured - self.draft_factor.value * steady,
                                              catch_up))
         else:
-            self.draft_factor.add(_factor(measured, steady))
+            self.draft_factor.add(factor_of(measured, steady))
 
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self.seqs.pop(s, None)
-
-
-def _factor(measured: float, predicted: float) -> float:
-    """measured / predicted, within FACTOR_RANGE (1 when nothing was predicted)."""
-    if predicted <= 0:
-        return 1.0
-    return min(max(measured / predicted, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-
-
-def _trusted(own: int, cap: int, risk: list[float]) -> list[int]:
-    """[cap + 1]: the most a sequence may speculate up to each k. On its own evidence it may
-    speculate `own` (Acceptance.trusted_k); beyond that, any k whose step risks no more
-    than those do were nothing accepted (risk[k]): where a wider verify is cheaper (fp32 on
-    CPU: 8 tokens measured 2.0 decodes, 3 tokens 3.6), a fresh sequence is not held to
-    the dear widths."""
-    budget = max(risk[:min(own, cap) + 1])
-    out, best = [], 0
-    for k in range(cap + 1):
-        if k <= own or risk[k] <= budget:
-            best = k
-        out.append(best)
-    return out

@@ -153,16 +153,21 @@ def test_catch_up_is_spread_over_the_tokens_left():
 
 def test_a_catch_up_teaches_its_own_factor():
     """A catch-up forward 3x dearer than the table (a long prefill) must not make the
-    draft's steady steps look 3x dearer too: they keep their own factor."""
+    draft's steady steps look 3x dearer too: they keep their own factor. (A dearer reading
+    is believed from its third step on: Learned's caution.)"""
     p = policy(table(0.2, 0.01), table(0.02, 0.01))
     teach(p, 1, 3, 4)
     plan = p.plan([Candidate(1, 4, behind=1, remaining=60)])
     p.observe_step(plan, [4], 2 * plan.draft_s, 0.24, 0.24 + 2 * plan.draft_s)
+    assert p.draft_factor.value == 1.0  # one dearer step: not yet
+    for _ in range(2):
+        p.observe_step(plan, [4], 2 * plan.draft_s, 0.24, 0.24 + 2 * plan.draft_s)
     assert p.draft_factor.value == pytest.approx(2.0) and p.catch_up_factor.value == 1.0
     plan = p.plan([Candidate(1, 4, behind=50, remaining=64)])
     assert plan.ks[0] and plan.catch_up == pytest.approx(0.48)
     propose_s = 2 * plan.draft_s + 3 * plan.catch_up
-    p.observe_step(plan, plan.ks, propose_s, 0.24, 0.24 + propose_s)
+    for _ in range(3):
+        p.observe_step(plan, plan.ks, propose_s, 0.24, 0.24 + propose_s)
     assert p.draft_factor.value == pytest.approx(2.0) and p.catch_up_factor.value == pytest.approx(3.0)
 
 
