@@ -98,6 +98,7 @@ class Outcome:
     draft: int = 0
     accepted: int = 0
     chosen_k: float = math.nan  # mean k per sequence-step (stack, batch 1)
+    predicted: float = math.nan  # the policy's mean predicted speed-up per step (stack)
     # HF target-only: the target's greedy output up to and including its first end token
     # (the whole output when it has none)
     greedy_to_eos: list[int] | None = None
@@ -143,10 +144,11 @@ def metric_total(port: int, name: str, **labels: str) -> float:
     return total
 
 
-def scrape(port: int) -> tuple[float, float]:
-    """(sum, count) of the orchestrator's specdecode_chosen_k histogram."""
-    return (metric_total(port, "specdecode_chosen_k_sum"),
-            metric_total(port, "specdecode_chosen_k_count"))
+def scrape(port: int) -> tuple[float, float, float, float]:
+    """(sum, count) of the orchestrator's specdecode_chosen_k histogram, then of its
+    specdecode_predicted_speedup (per step)."""
+    return tuple(metric_total(port, f"specdecode_{name}_{part}")
+                 for name in ("chosen_k", "predicted_speedup") for part in ("sum", "count"))
 
 
 def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
@@ -160,8 +162,9 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
             u = r.usage
             return Outcome(len(r.token_ids), time.perf_counter() - start, r.token_ids,
                            u.draft_tokens, u.accepted_tokens)
-    def chosen_k(before, after) -> float:
-        return (after[0] - before[0]) / (after[1] - before[1]) if after[1] > before[1] else math.nan
+    def mean(before, after, at: int = 0) -> float:  # at 0: chosen k, 2: predicted speed-up
+        n = after[at + 1] - before[at + 1]
+        return (after[at] - before[at]) / n if n > 0 else math.nan
     port = stack.metrics_ports["orchestrator"]
     start = time.perf_counter()
     if streams == 1:  # one at a time, each with its own mean chosen k
@@ -169,12 +172,16 @@ def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
         for p in prompts:
             before = scrape(port)
             outs.append(one(p))
-            outs[-1].chosen_k = chosen_k(before, scrape(port))
+            after = scrape(port)
+            outs[-1].chosen_k, outs[-1].predicted = mean(before, after), mean(before, after, 2)
         return outs, time.perf_counter() - start, math.nan
     before = scrape(port)
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         outs = list(pool.map(one, prompts))
-    return outs, time.perf_counter() - start, chosen_k(before, scrape(port))
+    after = scrape(port)
+    for o in outs:
+        o.predicted = mean(before, after, 2)
+    return outs, time.perf_counter() - start, mean(before, after)
 
 
 def paired(stack: LocalStack, prompts: list[list[int]], max_tokens: int, repeats: int,
@@ -283,6 +290,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                 row = {"path": path, "streams": streams, "class": cls, "prompt": j, "tokens": o.tokens,
                        "seconds": o.seconds, "draft": o.draft, "accepted": o.accepted,
                        "chosen_k": o.chosen_k if streams == 1 else chosen,
+                       "predicted": o.predicted,
                        "token_ids": o.token_ids, "greedy_to_eos": o.greedy_to_eos}
                 line = {k: v for k, v in row.items()
                         if k not in ("token_ids", "prompt", "greedy_to_eos")}
@@ -295,6 +303,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
                 rows.append({"path": path, "class": "all", "streams": streams, "seconds": wall,
                              "tokens": sum(o.tokens for o in outs), "draft": sum(o.draft for o in outs),
                              "accepted": sum(o.accepted for o in outs), "chosen_k": chosen,
+                             "predicted": outs[0].predicted if outs else math.nan,
                              "token_ids": None})
 
         def add_paired(label_a, label_b, stack, a, b):
@@ -464,7 +473,7 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair, result
     table = Table(title=f"{name}, CPU {dtype} (ATEN_CPU_CAPABILITY={isa}), "
                         f"{max_tokens} tokens/prompt, greedy; {seconds / 60:.1f} min")
     for col in ("path", "streams", "class", "runs", "tokens/s", "vs HF target-only",
-                "vs own k=0", "acceptance", "chosen k", "equal to reference",
+                "vs own k=0", "predicted", "acceptance", "chosen k", "equal to reference",
                 "equal to stack k=0"):
         table.add_column(col)
     groups: dict[tuple, list] = {}
@@ -492,6 +501,9 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair, result
         acc = sum(r["accepted"] for r in rs) / draft if draft else None
         chosen = [r["chosen_k"] for r in rs if r["chosen_k"] == r["chosen_k"]]
         chosen_k = statistics.mean(chosen) if chosen else None
+        # the policy's own prediction of its speed-up over plain decoding, beside vs own k=0
+        said = [r["predicted"] for r in rs if r.get("predicted", math.nan) == r.get("predicted")]
+        predicted = statistics.mean(said) if said and own_zero_of(path) else None
         refs, what = reference(rows, path)
         eq = equal_tokens(runs, refs)
         # past any end token: every stack path against the stack's k=0 (the n-gram's own)
@@ -504,7 +516,8 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair, result
                "tokens_per_s": tps[(path, streams, cls)],
                "vs_hf_target_only": tps[(path, streams, cls)] / base if base else None,
                "acceptance": acc, "vs_own_k0": tps[(path, streams, cls)] / zero if zero else None,
-               "chosen_k": chosen_k, "equal": equal, "reference": what,
+               "chosen_k": chosen_k, "predicted_speedup": predicted, "equal": equal,
+               "reference": what,
                "equal_tokens": eq and eq[0], "compared_tokens": eq and eq[1],
                "reference_ends_at_eos": eq and eq[2],
                "equal_own_k0": None if eq_zero is None else f"{eq_zero[0]}/{eq_zero[1]}"}
@@ -512,6 +525,7 @@ def report(console, rows, classes, dtype, isa, max_tokens, seconds, pair, result
         table.add_row(path, str(streams), cls, str(len(rs)), f"{row['tokens_per_s']:.2f}",
                       "-" if base is None else f"{row['vs_hf_target_only']:.2f}x",
                       "-" if zero is None else f"{row['vs_own_k0']:.2f}x",
+                      "-" if predicted is None else f"{predicted:.2f}x",
                       "-" if acc is None else f"{acc:.2f}",
                       "-" if chosen_k is None else f"{chosen_k:.2f}", equal,
                       row["equal_own_k0"] or "-")

@@ -167,16 +167,18 @@ class Calibration:
         self.prefixes = [[self.rng.randrange(runner.vocab_size) for _ in range(context)]
                          for _ in self.ids]
 
-    def cell(self, rows: int, tokens: int, repeats: int | None = None) -> float:
+    def cell(self, rows: int, tokens: int, repeats: int | None = None, warm: bool = True) -> float:
         """Seconds of one forward of `rows` rows with `tokens` new tokens each (the fastest
-        of `repeats`, self.repeats by default, after an untimed warm-up)."""
+        of `repeats`, self.repeats by default, after an untimed warm-up unless `warm` is
+        False: the cell was timed before)."""
         runner = self.runner
         hook, runner.on_forward, counters = runner.on_forward, None, copy.copy(runner.stats)
         repeats = self.repeats if repeats is None else repeats
         try:
             batch = [RunnerRow(c, p + [self.rng.randrange(runner.vocab_size) for _ in range(tokens)],
                                tokens) for c, p in zip(self.ids[:rows], self.prefixes[:rows])]
-            runner.forward(batch)  # warm-up: fills the cache, allocations, kernel selection
+            if warm:  # fills the cache, allocations, kernel selection
+                runner.forward(batch)
             times: list[float] = []
             while len(times) < repeats or (min(times) * len(times) < CELL_MIN_S
                                            and len(times) < MAX_REPEATS):
@@ -213,7 +215,7 @@ def calibrate(runner: ModelRunner, rows: tuple[int, ...] = CALIBRATION_ROWS,
     try:
         session.warm_up(max(rows), max(tokens))
         table = [[session.cell(r, q) for q in tokens] for r in rows]
-        table = [[min(s, session.cell(r, q, repeats=1)) for q, s in zip(tokens, line)]
+        table = [[min(s, session.cell(r, q, repeats=1, warm=False)) for q, s in zip(tokens, line)]
                  for r, line in zip(rows, table)]
     finally:
         session.close()

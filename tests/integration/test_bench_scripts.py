@@ -51,6 +51,9 @@ def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_
         assert rows[path]["equal"] == f"{end}/{end} to EOS", rows[path]
         assert rows[path]["reference"] == "greedy to EOS"
     assert rows["stack defaults"]["equal_own_k0"] == "8/8"
+    # the policy's predicted speed-up beside the measured one (issue 36), scraped per run
+    assert rows["stack defaults"]["predicted_speedup"] > 0
+    assert rows["stack k=0"]["predicted_speedup"] is None
     assert "first differs" not in r.stdout  # no output left its reference
 
 
