@@ -1,7 +1,13 @@
 """Hands the speculation policy the forward-cost tables its services re-measured while idle
 (specdecode.recalibration): every REFRESH_S, the first replica up of each service is asked
-for its ModelInfo, and a table of another version (or from another replica) than the one
-the policy holds replaces it (SpeculationPolicy.update_table)."""
+for its ModelInfo, and a re-measured table (version > 0) of another version (or from another
+replica) than the last one seen replaces the policy's (SpeculationPolicy.update_table).
+
+A start-up table (version 0) is never adopted: a restarted replica's (or another one's)
+measures nothing newer than the table the policy holds, and adopting it made the policy
+forget what its steps had learned while no sequence was running to check the table again
+(after a proposer restart, short requests stopped speculating). The replica's own
+re-measurements are adopted as they come: it counts them from 1 again."""
 
 from __future__ import annotations
 
@@ -56,8 +62,8 @@ class CostRefresh:
             if costs is None:
                 continue
             held, self.seen[role] = self.seen.get(role), (address, costs.version)
-            if held in ((address, costs.version), (None, costs.version)):
-                continue  # the table the policy holds
+            if costs.version == 0 or held in ((address, costs.version), (None, costs.version)):
+                continue  # a start-up table, or the table the policy holds
             log.info("adopting the %s's re-measured forward costs (%s, version %d)", role,
                      address, costs.version)
             self.policy.update_table(role, costs)
