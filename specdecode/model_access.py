@@ -7,6 +7,14 @@ next module boundary: a process-wide forward pre-hook raises `ForwardStopped` in
 whose call was cancelled. The lock is held until that thread has really returned, so a
 second forward never runs beside a stopped one. The model runner writes its KV cache only
 after a forward completes, so a stopped forward leaves the cache as it was.
+
+The service's own work (re-measuring its forward costs while idle, specdecode.recalibration)
+yields to traffic the same way: a traffic call that arrives while it runs stops it at its next
+module, and it does not start once a traffic call came while it waited for the lock (both
+raise `ForwardStopped` to it). Traffic never waits for a calibration cell: the orchestrator
+learns what drafting and verifying cost from its steps' times, and a first speculative step
+that waited for a cell (seconds, with real models) priced speculation off for good (issue
+31: an orchestrator started while the services re-measured decoded plainly).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class ModelAccess:
         _install_hook()
         self._lock = asyncio.Lock()
         self.last_call = time.monotonic()  # when the last traffic call ended (or started)
+        self._own: threading.Event | None = None  # stops the service's own call running now
 
     def idle_for(self) -> float:
         """Seconds since the last traffic call ended; 0 while one runs or waits."""
@@ -65,11 +74,19 @@ class ModelAccess:
 
     async def run(self, fn, *args, traffic: bool = True):
         """fn(*args) in a worker thread, one call at a time. traffic=False: the service's
-        own work (re-measuring its forward costs), which does not end its idle time."""
+        own work (re-measuring its forward costs), which does not end its idle time and
+        yields to traffic (ForwardStopped)."""
+        if traffic and self._own is not None:
+            self._own.set()
+        asked = self.last_call
         async with self._lock:
+            stop = threading.Event()
             if traffic:
                 self.last_call = time.monotonic()
-            stop = threading.Event()
+            elif self.last_call != asked:
+                raise ForwardStopped("a traffic call came first")
+            else:
+                self._own = stop
             call = functools.partial(contextvars.copy_context().run, self._call, stop, fn, args)
             future = asyncio.get_running_loop().run_in_executor(None, call)
             try:
@@ -88,3 +105,5 @@ class ModelAccess:
             finally:
                 if traffic:
                     self.last_call = time.monotonic()
+                else:
+                    self._own = None

@@ -13,7 +13,8 @@ when
 - or, with no traffic at all, a probe decode (one forward, every PROBE_S while idle) is
   off the table's by DRIFT twice in a row.
 
-A call arriving meanwhile waits for one cell at most: the re-measurement stops and starts
+A call arriving meanwhile stops the cell being timed at its next module (the service's own
+work yields to traffic, specdecode.model_access), and the re-measurement with it; it starts
 again at the next idle spell. The new table replaces the old (a new version, which the
 orchestrator adopts) when its cells moved by DRIFT (median over cells); noise does not
 churn versions.
@@ -26,7 +27,7 @@ import logging
 import time
 
 from specdecode.cost_model import DRIFT, Calibration, ForwardCosts
-from specdecode.model_access import ModelAccess
+from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,13 @@ class Recalibrator:
         """One check: re-measure if the table is stale; True when it was replaced."""
         if self.model.idle_for() < self.idle_s:
             return False
-        if not self.costs.stale():
-            if time.monotonic() < self.next_probe or not await self._probe_off():
-                return False
-        return await self.remeasure()
+        try:
+            if not self.costs.stale():
+                if time.monotonic() < self.next_probe or not await self._probe_off():
+                    return False
+            return await self.remeasure()
+        except ForwardStopped:  # a call came during a cell: it went first
+            return False
 
     async def _probe_off(self) -> bool:
         """A probe decode; True when two in a row were off the table's by DRIFT (the
@@ -96,7 +100,8 @@ class Recalibrator:
 
     async def remeasure(self) -> bool:
         """Every cell of the table (and the row counts traffic added), while idle; False
-        when a call came first (tried again at the next idle spell) or nothing moved."""
+        when a call came between two cells or nothing moved, ForwardStopped when one came
+        during a cell (either way it is tried again at the next idle spell)."""
         rows = merged_rows(self.costs.rows, self.costs.rows_seen)
         widths = list(self.costs.tokens)
         session = Calibration(self.runner, max(rows), max(widths))

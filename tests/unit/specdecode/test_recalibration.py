@@ -5,6 +5,7 @@ a tiny random model; thresholds are far from timing noise (a table 50x off)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from specdecode.cost_model import (DRIFT, DRIFT_RUN, ForwardCosts, calibrate,
                                    calibration_widths)
-from specdecode.model_access import ModelAccess
+from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
 from specdecode.recalibration import Recalibrator, merged_rows
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model
@@ -59,18 +60,54 @@ def test_a_table_measured_on_a_busy_host_is_remeasured_while_idle(runner):
 
 
 def test_a_call_stops_the_remeasurement(runner):
-    """Traffic first: a call arriving while the table is re-measured waits one cell at most,
-    and the re-measurement gives up (it is tried again at the next idle spell)."""
+    """Traffic first: a call arriving while the table is re-measured stops the cell being
+    timed, and the re-measurement gives up (it is tried again at the next idle spell)."""
     model = idle_access()
     busy = scaled(calibrate(runner, rows=(1,), tokens=(1, 2, 3, 4), repeats=1), 50.0)
+    busy.observe(3, 1, 1.0)  # stale: traffic ran a row count the grid lacks
     recalibrator = Recalibrator(runner, busy, model, idle_s=1.0)
 
     async def run() -> bool:
-        measuring = asyncio.create_task(recalibrator.remeasure())
+        measuring = asyncio.create_task(recalibrator.step())
         await asyncio.sleep(0)  # it takes the model for its first cell
-        await model.run(lambda: None)  # a call: waits for that cell, then runs
+        await model.run(lambda: None)  # a call: stops that cell, then runs
         return await measuring
-    assert asyncio.run(run()) is False and busy.version == 0
+    assert asyncio.run(run()) is False and busy.version == 0 and busy.rows == [1]
+    assert runner.num_cached_sequences == 0  # the stopped cell's cache entries are gone
+
+
+def test_traffic_never_waits_for_the_services_own_work():
+    """A traffic call stops the service's own call (re-measuring) at its next module, and
+    an own call that waited while traffic came does not start (issue 31: a step that waited
+    for a calibration cell taught the orchestrator that speculation costs 20x what it does).
+    The own call here would run for 20 s."""
+    model = ModelAccess()
+    layer = torch.nn.Linear(4, 4)
+    started, release = threading.Event(), threading.Event()
+
+    def own_work() -> str:
+        started.set()
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            layer(torch.zeros(1, 4))
+        return "ran to its end"
+
+    async def run() -> None:
+        own = asyncio.create_task(model.run(own_work, traffic=False))
+        await asyncio.to_thread(started.wait)
+        assert await model.run(lambda: "served") == "served"
+        with pytest.raises(ForwardStopped):
+            await own
+        traffic = asyncio.create_task(model.run(release.wait))  # holds the model ...
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(model.run(lambda: "measured", traffic=False))
+        await asyncio.sleep(0)
+        release.set()  # ... until now: the own call that waited gives way
+        assert await traffic is True
+        with pytest.raises(ForwardStopped):
+            await queued
+        assert await model.run(lambda: "measured", traffic=False) == "measured"  # no traffic
+    asyncio.run(asyncio.wait_for(run(), 10))
 
 
 def test_drift_and_new_row_counts_in_traffic_make_a_table_stale(runner):
