@@ -23,9 +23,13 @@ class ResilienceOptions:
 
     proposer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
     scorer_timeout_s: float = 0.0  # per step call; 0 = sized from the step's work
-    scorer_retry_s: float = 10.0  # how long a step retries its scorer calls
+    scorer_retry_s: float = 30.0  # how long a step retries its scorer calls (> a cold start)
     health_interval_s: float = 1.0  # replica health checks
     resolve_interval_s: float = 10.0  # DNS re-resolution of the service names
+    # Keepalive pings on every channel to a replica: a link that stops forwarding without
+    # closing is closed after at most interval + timeout (then the replica is down).
+    keepalive_interval_s: float = 1.0
+    keepalive_timeout_s: float = 2.5
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class OrchestratorConfig:
     trace_every: int = 1  # keep every Nth step span (1 = all, 0 = request spans only)
     http_port: int = 0  # the OpenAI-compatible HTTP API on the same host (0 = off)
     http: HttpLimits = HttpLimits()
+    # A stream whose client takes nothing this long while its output waits is cancelled and
+    # its sequences released (HTTP: its connection, whose writes stay paused, is closed).
+    stream_write_timeout_s: float = 30.0
     sequence_deltas: bool = True  # step calls send what each replica lacks
     overlap: bool = False  # two groups alternate between proposer and scorer
     grammar_compile_timeout_s: float = 5.0  # a structured output request's grammar, at most

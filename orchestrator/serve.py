@@ -26,7 +26,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from orchestrator.cluster.fanout import connect_services
     from orchestrator.engine.build import build_engine
     from orchestrator.engine.loop import EngineLoop
-    from orchestrator.engine.step_metrics import WAITING, StepMetrics
+    from orchestrator.engine.step_metrics import PAUSED, WAITING, StepMetrics
     from orchestrator.frontend.chat_template import message_overhead
     from orchestrator.frontend.generation import ServedModel
     from orchestrator.frontend.request import RequestLimits
@@ -63,6 +63,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     parts["loop"] = loop = EngineLoop(engine, on_step=StepMetrics(engine, log_interval),
                                       max_running=admission.max_running)
     WAITING.set_function(lambda: loop.waiting)
+    PAUSED.set_function(lambda: loop.paused)
     export_grammar_metrics(engine.grammars, "orchestrator")
     loop.start()
     log.info("orchestrator ready (id %010x): proposer %s, scorer %s", engine.orchestrator_id,
@@ -105,7 +106,8 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
 
     parts: dict = {}
     servicer = SpecDecodeServicer(Admission(config.admission.max_running,
-                                            config.admission.max_queued))
+                                            config.admission.max_queued),
+                                  config.stream_write_timeout_s)
 
     def follow_scorer(server) -> None:
         """One health for both APIs: gRPC's status and HTTP /health's reason together."""
@@ -136,7 +138,8 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
         app = create_app(servicer.frontend, tokens,
                          max_body_bytes=2 * config.admission.max_request_bytes)
         companions.append(HttpServer(app, options.host, config.http_port,
-                                     options.grace_seconds, options.tls, config.http))
+                                     options.grace_seconds, options.tls, config.http,
+                                     config.stream_write_timeout_s))
     try:
         await serve_deferred(options, spec_decode_service_pb2,
                              spec_decode_service_pb2_grpc.add_SpecDecodeServiceServicer_to_server,

@@ -50,6 +50,11 @@ class DeadlinePassedError(RuntimeError):
     """Every request of the step is past its client's deadline (DEADLINE_EXCEEDED)."""
 
 
+class StreamWriteTimeout(RuntimeError):
+    """A stream's client took nothing for --stream-write-timeout seconds while its output
+    waited: cancelled (DEADLINE_EXCEEDED, after what was written before)."""
+
+
 @dataclass(frozen=True)
 class ErrorStatus:
     grpc_code: grpc.StatusCode
@@ -74,6 +79,8 @@ TABLE: tuple[tuple[type[BaseException], ErrorStatus], ...] = (
                                           "internal_server_error", "incompatible_models")),
     (DeadlinePassedError, ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout",
                                       "deadline_exceeded")),
+    (StreamWriteTimeout, ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 408, "timeout",
+                                     "stream_write_timeout")),
     (ServiceUnavailableError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503,
                                           "service_unavailable")),
     (grpc.RpcError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),

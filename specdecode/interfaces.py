@@ -29,6 +29,12 @@ class SpeculativeProposals:
     # (orchestrator.engine.lookahead): this step's proposer time does not include theirs.
     ahead: int = 0
 
+    @classmethod
+    def none(cls, batch_size: int) -> SpeculativeProposals:
+        """No sequence speculates (proposal length 0 for each)."""
+        return cls(torch.full((batch_size, 0), -1, dtype=torch.long), None,
+                   torch.zeros(batch_size, dtype=torch.long))
+
     def validate(self, req: ExecuteModelRequest, vocab_size: int, max_model_len: int) -> None:
         """Check proposals a peer sent for step `req` before any tensor op reads them (their
         dtypes and shapes are the wire codec's: ids [B, k], lens [B] in [0, k], probs

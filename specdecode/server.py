@@ -44,10 +44,11 @@ SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLIN
                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
 
 
-# Let the orchestrator's keepalive pings through (every 5 s, also between calls), instead of
-# answering them with GOAWAY "too_many_pings" (orchestrator.cluster.remote.KEEPALIVE_OPTIONS).
+# Let the orchestrator's keepalive pings through (every --keepalive-interval, 1 s, also
+# between calls), instead of answering them with GOAWAY "too_many_pings"
+# (orchestrator.cluster.remote.keepalive_options).
 KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
-                            ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+                            ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
                             ("grpc.http2.max_ping_strikes", 0)]
 
 

@@ -174,7 +174,8 @@ def serve_orchestrator(proposer, scorer, tokenizer, served_model_name, num_specu
                        max_prompt_tokens, max_running_requests, max_queued_requests,
                        max_num_batched_tokens, grammar_compile_timeout, sequence_deltas, overlap,
                        async_drafting, http_max_connections, http_header_timeout,
-                       http_keep_alive_timeout, **server) -> None:
+                       http_keep_alive_timeout, stream_write_timeout, keepalive_interval,
+                       keepalive_timeout, **server) -> None:
     """The orchestrator: the public SpecDecodeService API (gRPC) and the OpenAI-compatible
     HTTP API."""
     from orchestrator.config import (AdmissionConfig, HttpLimits, OrchestratorConfig,
@@ -194,8 +195,10 @@ def serve_orchestrator(proposer, scorer, tokenizer, served_model_name, num_specu
             http=HttpLimits(http_max_connections, http_header_timeout, http_keep_alive_timeout),
             sequence_deltas=sequence_deltas, overlap=overlap, async_drafting=async_drafting,
             grammar_compile_timeout_s=grammar_compile_timeout,
+            stream_write_timeout_s=stream_write_timeout,
             resilience=ResilienceOptions(proposer_timeout, scorer_timeout, scorer_retry_timeout,
-                                         health_interval, resolve_interval),
+                                         health_interval, resolve_interval, keepalive_interval,
+                                         keepalive_timeout),
             security=_service_security(service_tls_ca, service_tls_cert, service_tls_key,
                                        service_token_file, server["tls_cert"],
                                        server["tls_key"]),

@@ -251,12 +251,20 @@ orchestrator_service_options = option_group(
     opt("--scorer-timeout", default=0.0, type=click.FloatRange(0),
         help="Seconds one scoring call may take before it is retried on another replica. "
              "0 = sized from the step's work."),
-    opt("--scorer-retry-timeout", default=10.0, type=click.FloatRange(0),
+    opt("--scorer-retry-timeout", default=30.0, type=click.FloatRange(0),
         help="Seconds a step retries failed scoring calls (with back-off, on the replicas up) "
-             "before its streams fail with UNAVAILABLE."),
+             "before its streams fail with UNAVAILABLE; above a scorer's cold start, so that "
+             "a restart of the only scorer ends no stream."),
     opt("--health-interval", default=1.0, type=click.FloatRange(0.05),
         help="Seconds between health checks of every proposer and scorer replica (a replica "
              "that failed rejoins after one)."),
+    opt("--keepalive-interval", default=1.0, type=click.FloatRange(0.5),
+        help="Seconds between keepalive pings on every channel to a proposer or scorer "
+             "replica (also between calls)."),
+    opt("--keepalive-timeout", default=2.5, type=click.FloatRange(0.1),
+        help="Seconds a keepalive ping may go unanswered; then the connection is closed and "
+             "the replica is down (a link that stops forwarding without closing is found in "
+             "interval + timeout seconds), until it answers its health check again."),
     opt("--resolve-interval", default=10.0, type=click.FloatRange(0.1),
         help="Seconds between DNS look-ups of --proposer and --scorer (replicas come and go)."),
     opt("--sequence-deltas/--no-sequence-deltas", default=True,
@@ -307,6 +315,11 @@ admission_options = option_group(
     opt("--max-num-batched-tokens", default=512, type=click.IntRange(16),
         help="Token budget of one step: running sequences first, then prompts, split "
              "across steps (chunked prefill) so a long prompt never stalls other streams."),
+    opt("--stream-write-timeout", default=30.0, type=click.FloatRange(0, min_open=True),
+        help="Seconds a streaming client may take nothing while its output waits (its "
+             "sequence is paused meanwhile, KV state kept); then it is cancelled and its "
+             "sequences released (HTTP: the connection is closed). The bytes its socket "
+             "buffers and flow-control window absorb come first."),
     opt("--grammar-compile-timeout", default=5.0, type=click.FloatRange(0, min_open=True),
         help="Seconds a structured output request's grammar (JSON schema, regex, choice, "
              "grammar) may take to compile; past it the request is refused (400 / "

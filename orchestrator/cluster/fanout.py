@@ -28,7 +28,7 @@ from prometheus_client import Counter
 from orchestrator.engine import deadlines
 from orchestrator.config import ResilienceOptions, ServiceSecurity
 from orchestrator.engine.deadlines import CallCancelled, CallTimeout, step_tokens
-from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
+from orchestrator.cluster.remote import RemoteProposer, RemoteScorer, keepalive_options
 from orchestrator.cluster.replicas import ReplicaSet
 from specdecode.errors import DeadlinePassedError, ServiceUnavailableError
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
@@ -260,6 +260,9 @@ def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str
     replica SERVING within connect_timeout_s), with their model infos; `security`: TLS and
     token of their channels; `deltas`: step calls carry sequence deltas (specdecode.deltas.encoder),
     tracked per replica."""
+    channel_options = [*channel_options, *keepalive_options(options.keepalive_interval_s,
+                                                            options.keepalive_timeout_s)]
+
     def replica_set(role: str, spec: str, client) -> ReplicaSet:
         return ReplicaSet(role, spec, lambda channel, address: client(
             channel, HOUSEKEEPING_TIMEOUT_S, address, deltas), channel_options,

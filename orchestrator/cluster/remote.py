@@ -31,12 +31,22 @@ from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_servic
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
 
-# Keepalive pings find a peer that vanished without closing its connections (a host that
-# froze or dropped off the network) in KEEPALIVE_TIME + KEEPALIVE_TIMEOUT seconds; the
-# servers permit pings this often (specdecode.server.KEEPALIVE_SERVER_OPTIONS).
-KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 3000),
-                     ("grpc.keepalive_permit_without_calls", 1),
-                     ("grpc.http2.max_pings_without_data", 0)]
+def keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """Keepalive pings every `interval_s` (also between calls) find a link that stopped
+    forwarding without closing (a host that froze, a proxy or network that went quiet): no
+    ack within `timeout_s` closes the connection, its calls fail UNAVAILABLE and the health
+    check finds the replica unreachable, in at most interval + timeout seconds (+ one
+    health interval); the servers permit pings this often
+    (specdecode.server.KEEPALIVE_SERVER_OPTIONS)."""
+    timeout_ms = int(timeout_s * 1000)
+    # ping_timeout: every ping's (60 s by default): a BDP ping in flight when the link went
+    # quiet held keepalive back for that long.
+    return [("grpc.keepalive_time_ms", int(interval_s * 1000)),
+            ("grpc.keepalive_timeout_ms", timeout_ms), ("grpc.http2.ping_timeout_ms", timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
 # A replica that restarts is reconnected to within a second (gRPC's default back-off grows
 # to two minutes, which would keep a recovered replica out that long).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
@@ -61,9 +71,10 @@ def open_channel(address: str, options: list[tuple[str, int]],
     `address` is the replica's IP:PORT; `authority` the HOST:PORT it was resolved from (sent
     as :authority, as a channel to that name would; over TLS the replica's certificate is
     verified against its host, e.g. a headless Service's name, not the pod IP). `security`:
-    TLS and/or a bearer token."""
+    TLS and/or a bearer token. `options` carry the keepalive (keepalive_options) with the
+    server's channel options."""
     extra = [] if authority in (None, address) else [("grpc.default_authority", authority)]
-    options = [*options, *KEEPALIVE_OPTIONS, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
+    options = [*options, *RECONNECT_OPTIONS, ("grpc.enable_retries", 1),
                ("grpc.service_config", SERVICE_CONFIG), *extra]
     if security.tls is None:
         channel = grpc.insecure_channel(address, options=options)

@@ -30,8 +30,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from orchestrator.engine import deadlines
 from orchestrator.engine.lookahead import Lookahead
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
@@ -77,11 +75,6 @@ class Batch:
         """Prompt tokens computed this step."""
         return sum((len(s.request.prompt_token_ids) if c is None else c) - s.prefilled
                    for s, c in self.rows if not s.decoding)
-
-
-def no_proposals(batch_size: int) -> SpeculativeProposals:
-    return SpeculativeProposals(torch.full((batch_size, 0), -1, dtype=torch.long), None,
-                                torch.zeros(batch_size, dtype=torch.long))
 
 
 class SpecDecodeEngine:
@@ -151,7 +144,12 @@ class SpecDecodeEngine:
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or (self.pipeline is not None and self.pipeline.busy())
+        """Whether a step has work: a running sequence not paused, or proposals in flight."""
+        return bool(self._active()) or (self.pipeline is not None and self.pipeline.busy())
+
+    def _active(self) -> list[Sequence]:
+        """The running sequences not paused (their clients' outputs are full: outbox)."""
+        return [s for s in self.running.values() if not s.paused]
 
     def generate(self, requests: list[Request]) -> dict[str, Sequence]:
         """Run requests to completion together; returns the finished sequences by id."""
@@ -231,10 +229,10 @@ class SpecDecodeEngine:
         """Who joins this step: with overlap the group whose proposals are ready (or the
         first half), else every running sequence within the token budget."""
         if self.pipeline is not None:
-            seqs, planned, cancelled = self.pipeline.take(list(self.running.values()))
+            seqs, planned, cancelled = self.pipeline.take(self._active())
             self._release(cancelled)
             return Batch([(s, None) for s in seqs], planned)
-        return Batch(plan_step(list(self.running.values()), self._cap,
+        return Batch(plan_step(self._active(), self._cap,
                                self.max_num_batched_tokens, self.pacer.cap()))
 
     def _cap(self, seq: Sequence) -> int:
@@ -275,7 +273,7 @@ class SpecDecodeEngine:
     def _proposals(self, req: ExecuteModelRequest) -> SpeculativeProposals:
         """The rows' proposals: drafted ahead where ready, else from the proposer."""
         if req.num_lookahead_slots == 0:  # plain decoding: nothing to propose
-            return no_proposals(len(req.seq_group_metadata_list))
+            return SpeculativeProposals.none(len(req.seq_group_metadata_list))
         if self.lookahead is None:
             return self._call_proposer(req)
         return self.lookahead.proposals(req, self._call_proposer)
@@ -317,7 +315,7 @@ class SpecDecodeEngine:
         k, chunks = req.num_lookahead_slots, batch.chunks
         if batch.planned is None and k == 0:
             warming = self._warm_draft(req, chunks) if chunks and self.k else None
-            proposals = no_proposals(len(batch.rows))
+            proposals = SpeculativeProposals.none(len(batch.rows))
         else:
             warming = None
             with tracing.child_span("propose", {"specdecode.batch_size": len(batch.rows),
@@ -328,7 +326,7 @@ class SpecDecodeEngine:
                                        int(proposals.proposal_lens.sum()))
         if self.pipeline is not None:  # the other group drafts while this one is scored
             taken = {id(s) for s in batch.seqs}
-            rest = [s for s in self.running.values() if id(s) not in taken]
+            rest = [s for s in self._active() if id(s) not in taken]
             with deadlines.bounded_by(self._deadline(rest) if rest else None):
                 self.pipeline.prefetch(rest)
         return proposals, warming

@@ -65,6 +65,17 @@ class EngineLoop:
             self._pending.append((request, sink))
             self._cv.notify()
 
+    def wake(self) -> None:
+        """A paused sequence's client took an output (orchestrator.engine.outbox): it may
+        join the next step. Any thread."""
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def paused(self) -> int:
+        """Running sequences paused because their clients' outputs are full."""
+        return sum(1 for s in list(self.engine.running.values()) if s.paused)
+
     def abort(self, request_id: str) -> None:
         with self._cv:
             self._aborts.append(request_id)
@@ -83,8 +94,9 @@ class EngineLoop:
         with self._cv:
             # Queued requests are work too: when the running ones all finish in one step,
             # the next round admits them (waiting here instead stranded them for good).
+            # Paused sequences are not (has_unfinished): a client's take wakes the loop.
             while not (self._stopped or self._pending or self._aborts or self._cancel_all
-                       or self._waiting or self.engine.has_unfinished()):
+                       or self._can_admit() or self.engine.has_unfinished()):
                 self._cv.wait()
             if self._stopped:
                 return None
@@ -92,6 +104,11 @@ class EngineLoop:
             self._pending, self._aborts = [], []
             cancel_all, self._cancel_all = self._cancel_all, False
             return pending, aborts, cancel_all
+
+    def _can_admit(self) -> bool:
+        """A queued request and a running slot for it (paused sequences hold theirs)."""
+        return bool(self._waiting) and (self.max_running is None
+                                        or len(self.engine.running) < self.max_running)
 
     def _run(self) -> None:
         try:
@@ -114,8 +131,7 @@ class EngineLoop:
                 gone = set(aborts)
                 self._waiting = collections.deque(
                     (r, s) for r, s in self._waiting if r.request_id not in gone)
-            while self._waiting and (self.max_running is None
-                                     or len(self.engine.running) < self.max_running):
+            while self._can_admit():
                 request, sink = self._waiting.popleft()
                 try:
                     self.engine.add_request(request)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from orchestrator.engine.detokenizer import Detokenizer
+from orchestrator.engine.outbox import Outbox
 from specdecode.api.usage import Usage
 from specdecode.sequence import SamplingParams
 
@@ -29,6 +30,8 @@ class Request:
     deadline: float | None = None
     # Text of the output and its stop strings (None: token ids only, no stop strings).
     detokenizer: Detokenizer | None = field(default=None, repr=False, compare=False)
+    # Its client's outputs not yet taken (back-pressure), or None: never paused.
+    outbox: Outbox | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -51,6 +54,12 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return [*self.request.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def paused(self) -> bool:
+        """Whether its client's outputs are full: it is not scheduled (its KV state stays)."""
+        outbox = self.request.outbox
+        return outbox is not None and outbox.full
 
     @property
     def decoding(self) -> bool:

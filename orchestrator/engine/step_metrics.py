@@ -86,6 +86,8 @@ LOOKAHEAD_TOKENS = Counter("specdecode_lookahead_tokens", "Tokens drafted ahead,
 RUNNING = Gauge("specdecode_running_sequences", "Sequences in the running batch.")
 WAITING = Gauge("specdecode_waiting_requests", "Requests received that have not joined a step "
                 "yet (they join at the next step boundary).")
+PAUSED = Gauge("specdecode_paused_sequences", "Running sequences paused by back-pressure: "
+               "their clients have not taken the outputs waiting (KV state kept).")
 
 class StepMetrics:
     """Called by the engine loop after every step (the step's wire bytes are counted by the

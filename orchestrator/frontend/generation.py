@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from orchestrator.engine.loop import EngineLoop
+from orchestrator.engine.outbox import OUTPUTS_PER_SAMPLE, Outbox
 from orchestrator.engine.request import Request, StepOutput, TokenLogprobs
 from orchestrator.frontend import genai_metrics, request_metrics as metrics, semconv
 from orchestrator.frontend.admission import Admission, Slot
 from orchestrator.frontend.request import Generation, GenerationRequest, RequestLimits
+from orchestrator.frontend.stream_watch import WRITE_TIMEOUTS, StreamWatch
 from specdecode import tracing
 from specdecode.api.usage import Usage, add_usage
-from specdecode.errors import InvalidRequestError, Overloaded
+from specdecode.errors import InvalidRequestError, Overloaded, StreamWriteTimeout
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.sequence import MAX_LOGPROBS
 
@@ -77,10 +80,13 @@ class Frontend:
     # the gRPC health says, for HTTP /health (orchestrator.serve sets both together).
     unavailable: str | None = None
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, stream_write_timeout_s: float = 30.0):
+        """stream_write_timeout_s: a watched stream (`run(watch=True)`) whose client took
+        nothing for that long while its output waited is cancelled."""
         # The output queue of every running generation, with its event loop.
         self._queues: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
         self.admission = admission
+        self.stream_write_timeout_s = stream_write_timeout_s
 
     def attach(self, loop: EngineLoop, tokenizer, info: ServedModel, limits: RequestLimits,
                grammars: GrammarCompiler | str = "no grammar compiler configured") -> None:
@@ -136,29 +142,40 @@ class Frontend:
             loop.call_soon_threadsafe(queue.put_nowait, _CANCEL)
         self.loop.cancel_all()
 
-    async def run(self, gen: Generation) -> AsyncIterator[Delta]:
+    async def run(self, gen: Generation, slot: Slot | None = None,
+                  watch: bool = False) -> AsyncIterator[Delta]:
         """The samples' deltas as the engine produces them (interleaved across samples).
         Raises the exception that ended a request (the others are then aborted); a caller
-        that stops iterating early aborts what is still running."""
+        that stops iterating early aborts what is still running. Back-pressure: while
+        OUTPUTS_PER_SAMPLE x n outputs wait untaken, the samples are paused
+        (orchestrator.engine.outbox); with `watch`, a client stalled for the stream write
+        timeout is cancelled at once (sequences released, `slot` too), and its stream ends
+        with StreamWriteTimeout should it ever read again."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._queues[queue] = loop
         metrics.PROMPT.inc(len(gen.prompt_token_ids) * gen.n)
         progress = _Progress(gen, self.model_name)
+        outbox = Outbox(OUTPUTS_PER_SAMPLE * gen.n, self.loop.wake)
         samples = [_Sample(i, r) for i, r in enumerate(gen.requests(self.tokenizer))]
         for s in samples:
-            s.request.trace_context = progress.span.context
-            self.loop.submit(s.request, lambda item, i=s.index:
-                             loop.call_soon_threadsafe(queue.put_nowait, (i, item)))
+            s.request.trace_context, s.request.outbox = progress.span.context, outbox
+            self.loop.submit(s.request, functools.partial(_deliver, loop, queue, outbox, s.index))
         running = {s.index for s in samples}
+        stall = self._watch(gen, outbox, samples, running, slot, queue) if watch else None
         try:
             while running:
                 index, item = await queue.get()
-                if index is None:  # _CANCEL
-                    for i in sorted(running):
+                if index is None:
+                    if item is not None:  # the write timeout: its samples are aborted
+                        running.clear()
+                        progress.failed(item)
+                        raise item
+                    for i in sorted(running):  # _CANCEL
                         queue.put_nowait((i, StepOutput(samples[i].request.request_id, [],
                                                         "cancelled", samples[i].stats)))
                     continue
+                outbox.take()
                 if index not in running:  # output after the sample was cancelled
                     continue
                 if isinstance(item, BaseException):
@@ -170,11 +187,37 @@ class Frontend:
                 progress.observe(samples[index], delta, done=not running)
                 yield delta
         finally:
+            if stall is not None:
+                stall.close()
             self._queues.pop(queue, None)
             for index in running:  # the caller went away or a sample failed: free the rest
                 metrics.REQUESTS.labels("cancelled").inc()
                 self.loop.abort(samples[index].request.request_id)
             progress.end("cancelled")
+
+    def _watch(self, gen: Generation, outbox: Outbox, samples: list[_Sample],
+               running: set[int], slot: Slot | None, queue: asyncio.Queue) -> StreamWatch:
+        """The stream write timeout of one generation (run): when its client stalls, its
+        samples are aborted (released on the services at the next step boundary) and its
+        slot released, and the timeout error queued for the generator, should it resume."""
+
+        def expire() -> None:
+            WRITE_TIMEOUTS.labels(gen.operation.api).inc()
+            for i in running:  # the samples still running (a live view of run's set)
+                self.loop.abort(samples[i].request.request_id)
+            if slot is not None:
+                slot.release()
+            queue.put_nowait((None, StreamWriteTimeout(
+                f"the client took no output for {self.stream_write_timeout_s:g} s")))
+
+        return StreamWatch(outbox, self.stream_write_timeout_s, expire).start()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, outbox: Outbox,
+             index: int, item: StepOutput | BaseException) -> None:
+    """A sample's sink (the engine thread): counted in its outbox, queued on the loop."""
+    outbox.put()
+    loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
 
 class _Progress:

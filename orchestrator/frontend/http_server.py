@@ -7,25 +7,66 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orchestrator.config import HttpLimits
+from orchestrator.frontend.stream_watch import WRITE_TIMEOUTS
 from specdecode.server import check_port_free
 from specdecode.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
 
+# Each connection's kernel send buffer (the kernel doubles it), and the high-water mark of
+# asyncio's write buffer above it. Left to itself, Linux grows a socket's to megabytes
+# (tcp_wmem): a client that never reads would absorb a whole long stream there before its
+# writes paused, and the stream write timeout could not start. What is left is the
+# client's own receive window.
+SEND_BUFFER_BYTES = 16 << 10
+
+
 class _HeaderTimeout(H11Protocol):
     """h11 with a deadline on each request's headers (uvicorn has none: a client sending a
     byte now and then held its connection for ever): a connection that has not completed
     its next request's headers `header_timeout_s` after it opened or after its last
-    response is closed."""
+    response is closed. And one on its writes: a connection whose writes stay paused (the
+    client takes nothing: the kernel's buffers and asyncio's are full) for
+    `write_timeout_s` is aborted, which ends its response as a client that leaves does
+    (its generation is cancelled, its sequences released: docs/design.md, *Back-pressure*)."""
 
     header_timeout_s = 10.0
+    write_timeout_s = 30.0
+    _write_timer: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_write_timer()
+        super().connection_lost(exc)
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if not self.transport.is_closing() or self.flow.write_paused:
+            log.info("closing an HTTP connection that took nothing for %g s",
+                     self.write_timeout_s)
+            WRITE_TIMEOUTS.labels("http").inc()
+            self.transport.abort()  # close() would wait for the buffer to drain: for ever
 
     def _arm(self) -> None:
         self.loop.call_later(self.header_timeout_s, self._expire, self.cycle)
@@ -37,6 +78,11 @@ class _HeaderTimeout(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # bounded: Linux would grow it to megabytes a client never reads
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)  # asyncio's: 64 KiB
         self._arm()
 
     def on_response_complete(self) -> None:
@@ -52,10 +98,12 @@ class _Server(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, grace_seconds: float = 20.0,
-                 tls: TlsFiles = TlsFiles(), limits: HttpLimits = HttpLimits()):
+                 tls: TlsFiles = TlsFiles(), limits: HttpLimits = HttpLimits(),
+                 write_timeout_s: float = 30.0):
         """tls: the gRPC server's certificate and key (HTTPS), and with a CA, client
         certificates required (mutual TLS), as for gRPC. limits: connections, header and
-        idle timeouts, header bytes (HttpLimits)."""
+        idle timeouts, header bytes (HttpLimits). write_timeout_s: the stream write
+        timeout (a connection whose writes stay paused that long is aborted)."""
         tls_kw = {}
         if tls.enabled:
             tls_kw = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
@@ -66,7 +114,7 @@ class HttpServer:
         check_port_free(host, port, "--http-port")
         config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off",
                                 access_log=False, timeout_graceful_shutdown=grace_seconds,
-                                **_limits(limits), **tls_kw)
+                                **_limits(limits, write_timeout_s), **tls_kw)
         self.server = _Server(config)
         self.address = f"{host}:{port}"
         self._task: asyncio.Task | None = None
@@ -90,12 +138,13 @@ class HttpServer:
             await self._task
 
 
-def _limits(limits: HttpLimits) -> dict:
+def _limits(limits: HttpLimits, write_timeout_s: float) -> dict:
     """uvicorn.Config's arguments for `limits` (h11: the header bounds apply to it).
     uvicorn answers 503 once its connections, the asking one included, reach
     limit_concurrency: one more, so that max_connections are served."""
     protocol = type("HeaderTimeout", (_HeaderTimeout,),
-                    {"header_timeout_s": limits.header_timeout_s})
+                    {"header_timeout_s": limits.header_timeout_s,
+                     "write_timeout_s": write_timeout_s})
     return {"http": protocol, "limit_concurrency": limits.max_connections + 1,
             "timeout_keep_alive": limits.keep_alive_s,
             "h11_max_incomplete_event_size": limits.max_header_bytes}

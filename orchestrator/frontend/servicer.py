@@ -59,8 +59,8 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
 
     info: ServedModel
 
-    def __init__(self, admission: Admission):
-        self.frontend = Frontend(admission)
+    def __init__(self, admission: Admission, stream_write_timeout_s: float = 30.0):
+        self.frontend = Frontend(admission, stream_write_timeout_s)
 
     def attach(self, loop: EngineLoop, tokenizer, info: ServedModel, limits: RequestLimits,
                grammars: GrammarCompiler | str = "no grammar compiler configured") -> None:
@@ -95,7 +95,9 @@ class SpecDecodeServicer(Deferred, spec_decode_service_pb2_grpc.SpecDecodeServic
             remaining = context.time_remaining()
             if remaining is not None:  # the client's deadline bounds the internal calls too
                 gen.deadline = time.monotonic() + remaining
-            async with contextlib.aclosing(self.frontend.run(gen)) as deltas:
+            # watched: a client stalled past the stream write timeout frees its slot and
+            # sequences at once, though this write waits on its flow-control window
+            async with contextlib.aclosing(self.frontend.run(gen, slot, watch=True)) as deltas:
                 async for delta in deltas:
                     response = pb.GenerateResponse(request_id=gen.request_id, text=delta.text,
                                                    token_ids=delta.token_ids, index=delta.index)

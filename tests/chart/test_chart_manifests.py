@@ -36,7 +36,8 @@ CLI_FLAGS = {
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
                      "--metrics-port", "--grace-seconds", "--max-message-mb", "--proposer-timeout",
                      "--scorer-timeout", "--scorer-retry-timeout", "--health-interval", "--resolve-interval",
-                     "--http-port"},
+                     "--http-port", "--keepalive-interval", "--keepalive-timeout",
+                     "--stream-write-timeout"},
 }
 
 
@@ -626,7 +627,11 @@ def test_three_scorer_replicas_behind_headless_services(helm):
 
 def test_fault_settings_reach_the_orchestrator(helm):
     docs = helm.render(sets=["orchestrator.faults.proposerTimeoutSeconds=2",
-                             "orchestrator.faults.scorerRetryTimeoutSeconds=30"])
+                             "orchestrator.faults.scorerRetryTimeoutSeconds=45",
+                             "orchestrator.faults.keepaliveIntervalSeconds=3",
+                             "orchestrator.streamWriteTimeoutSeconds=20"])
     flags = args_map(server(docs, "orchestrator"))
-    assert flags["--proposer-timeout"] == "2" and flags["--scorer-retry-timeout"] == "30"
+    assert flags["--proposer-timeout"] == "2" and flags["--scorer-retry-timeout"] == "45"
+    assert flags["--keepalive-interval"] == "3" and flags["--keepalive-timeout"] == "2.5"
+    assert flags["--stream-write-timeout"] == "20"
     assert flags["--scorer-timeout"] == "0"  # sized from each step's work
