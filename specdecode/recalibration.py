@@ -10,8 +10,8 @@ when
 
 - live forwards drifted off their cells (ForwardCosts.stale: DRIFT either way, DRIFT_RUN
   in a row), or traffic ran row counts the grid lacks (they are added, MAX_ROWS at most);
-- or, with no traffic at all, a probe decode (one forward, every PROBE_S while idle) is
-  off the table's by DRIFT twice in a row.
+- or, with no traffic at all, a probe (a decode and a one-row forward at the widest width,
+  every PROBE_S while idle) is off the table's by DRIFT twice in a row.
 
 A call arriving meanwhile stops the cell being timed at its next module (the service's own
 work yields to traffic, specdecode.model_access), and the re-measurement with it; it starts
@@ -33,9 +33,9 @@ from specdecode.model_runner import ModelRunner
 log = logging.getLogger(__name__)
 
 IDLE_S = 2.0  # no call for this long: the service is idle
-PROBE_S = 10.0  # while idle, a probe decode this often
+PROBE_S = 10.0  # while idle, a probe this often
 MAX_ROWS = 8  # row counts in a table at most (merged_rows)
-PROBE_CONTEXT = 8  # cached tokens of a probe decode (it refills them each time)
+PROBE_CONTEXT = 8  # cached tokens of a probe's row (it refills them each time)
 
 
 def merged_rows(table: list[int], seen: set[int]) -> list[int]:
@@ -86,15 +86,22 @@ class Recalibrator:
             return False
 
     async def _probe_off(self) -> bool:
-        """A probe decode; True when two in a row were off the table's by DRIFT (the
-        second follows the first at once)."""
-        probe = Calibration(self.runner, 1, 1, context=PROBE_CONTEXT)
+        """A probe: a decode and a one-row forward at the table's widest width; True when two
+        probes in a row had either off the table's by DRIFT (the second follows the first at
+        once). The wide cell too: a host's load can inflate a wide forward many times more
+        than a decode (two threads stalled on a busy core), and a probe of the decode alone
+        then found the table right while every verify it priced read 3x too dear."""
+        widest = max(self.costs.tokens)
+        probe = Calibration(self.runner, 1, widest, context=PROBE_CONTEXT)
         try:
-            seconds = await self.model.run(probe.cell, 1, 1, traffic=False)
+            off = False
+            for width in sorted({1, widest}):
+                seconds = await self.model.run(probe.cell, 1, width, traffic=False)
+                table = self.costs(1, width)
+                off = off or seconds > DRIFT * table or seconds * DRIFT < table
         finally:
             probe.close()  # nothing of it stays in the cache
-        table = self.costs(1, 1)
-        self.off = self.off + 1 if seconds > DRIFT * table or seconds * DRIFT < table else 0
+        self.off = self.off + 1 if off else 0
         self.next_probe = time.monotonic() + (0.0 if self.off == 1 else self.probe_s)
         return self.off >= 2
 

@@ -45,7 +45,7 @@ def wait_process_serving(address: str, timeout_s: float,
                          tls: TlsFiles | None = None,
                          log: str | os.PathLike | None = None) -> None:
     """Wait until the server at `address` reports SERVING; RuntimeError if its process dies
-    (with the end of its `log`, if given) or time runs out. With `tls`, over TLS (presenting
+    or time runs out (with the end of its `log`, if given). With `tls`, over TLS (presenting
     tls.cert to a server that asks)."""
     def check() -> None:
         if process is not None and process.poll() is not None:
@@ -54,7 +54,9 @@ def wait_process_serving(address: str, timeout_s: float,
                                + (f"; its log ends:\n{tail}" if tail else ""))
     with open_channel(address, tls) as channel:
         if not wait_serving(channel, timeout_s, check):
-            raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+            tail = log_tail(log)
+            raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s"
+                               + (f"; its log ends:\n{tail}" if tail else ""))
 
 
 # How long a service's idle OpenMP thread spins before it sleeps, in libgomp's spin-loop

@@ -26,7 +26,8 @@ host's scale by HOST_DRIFT, unmeasured draft factors follow, the tables count as
 and every sequence is due for exploration; while plain decoding is chosen the most
 promising speculative plan runs now and then (a sequence after 8 of its plain steps, then
 16, ... 256; at once after a fresh table when full acceptance would pay well; within 3% of
-the plain time its requests have left, later 2% of its own); a sequence that has
+the plain time its requests have left -- or 10% of the plain time decoded on the unchecked
+tables so far, up to a quarter of what its requests have left --, later 2% of its own); a sequence that has
 speculated decodes plainly only when speculation would not pay at one posterior standard
 deviation above its acceptance; the services re-measure their tables while idle
 (specdecode.recalibration) and a newer table replaces the policy's (update_table).
@@ -61,6 +62,11 @@ GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the c
 EXPLORE_MAX = 256  # the wait between a sequence's explorations doubles up to this
 EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
 EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its requests have left
+# ... or of the plain time decoded on unchecked tables so far, across requests, up to a share
+# of what the requests have left (a table whose verify cells read 3x dear priced every first
+# exploration of a 32-token request over its 3%: a stack serving short requests decoded
+# plainly for good)
+EXPLORE_UNCHECKED_SHARE, EXPLORE_REQUEST_CAP = 0.1, 0.25
 EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
 # when the tables say fully accepted speculation would run this much faster
 HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
@@ -118,6 +124,7 @@ class SpeculationPolicy:
         self.catch_up_factor = Learned(1.0, cautious=True)  # ... a catch-up's extra width
         self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
+        self.unchecked_plain_s = 0.0  # plain time decoded since they were last unchecked
 
     def update_table(self, role: str, costs: ForwardCosts) -> None:
         """A service's re-measured table (any thread): the next plan adopts it."""
@@ -237,6 +244,8 @@ class SpeculationPolicy:
             return best, False
         for a in est:
             a.plain_s += plain.seconds
+        if not self.checked:
+            self.unchecked_plain_s += plain.seconds
         at_once = not self.checked and sure > EXPLORE_AT_ONCE_GAIN
         due = [i for i, k in enumerate(best_spec.ks)
                if k and (est[i].plain_steps >= est[i].explore_after
@@ -245,12 +254,16 @@ class SpeculationPolicy:
             return best, False
         if self.checked:  # each due sequence's own plain time pays: no request pays for all
             budget = EXPLORE_SHARE * min(est[i].plain_s for i in due)
-        else:  # unchecked tables: a share of what the requests have left
-            budget = EXPLORE_FIRST_SHARE * plain.seconds * min(candidates[i].remaining
-                                                               for i in due)
+        else:  # unchecked tables: a share of what the requests have left or have decoded
+            left = plain.seconds * min(candidates[i].remaining for i in due)
+            budget = max(EXPLORE_FIRST_SHARE * left, min(
+                EXPLORE_UNCHECKED_SHARE * self.unchecked_plain_s, EXPLORE_REQUEST_CAP * left))
         loss = self._explore_loss(best_spec, plain)
         if loss > budget:
             return best, True
+        if not self.checked:
+            self.unchecked_plain_s = max(self.unchecked_plain_s - loss / EXPLORE_UNCHECKED_SHARE,
+                                         0.0)
         for i in due:
             est[i].exploring = True
             est[i].plain_s -= loss
@@ -423,7 +436,7 @@ class SpeculationPolicy:
         for f in (self.draft_factor, self.catch_up_factor):
             if f.n == 0:
                 f.scale(scale)
-        self.checked = False
+        self.checked, self.unchecked_plain_s = False, 0.0
         for est in self.seqs.values():
             est.plain_steps = max(est.plain_steps, est.explore_after)
 

@@ -59,6 +59,20 @@ def test_a_table_measured_on_a_busy_host_is_remeasured_while_idle(runner):
     assert busy(1, 1) < 0.2 * 50 * true(1, 1)
 
 
+def test_a_table_whose_wide_cells_alone_are_off_is_remeasured(runner):
+    """Load that inflated the wide forwards only (the decode cell right): the probe's wide
+    forward finds it, twice in a row, and the whole table is re-measured."""
+    true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
+    busy = ForwardCosts([1], [1, 2, 3], [[true(1, 1), 50 * true(1, 2), 50 * true(1, 3)]])
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0)
+
+    async def run() -> list[bool]:
+        return [await recalibrator.step(), await recalibrator.step()]
+    assert asyncio.run(run()) == [False, True]
+    assert busy.version == 1 and busy(1, 3) < 0.2 * 50 * true(1, 3)
+    assert runner.num_cached_sequences == 0
+
+
 def test_a_call_stops_the_remeasurement(runner):
     """Traffic first: a call arriving while the table is re-measured stops the cell being
     timed, and the re-measurement gives up (it is tried again at the next idle spell)."""
