@@ -41,10 +41,11 @@ def test_restart_mid_stream_resends_in_full_and_output_is_unchanged(tiny_model_d
                                 device="cpu", num_speculative_tokens=3, port=0,
                                 speculation="fixed",  # the proposer is asked every step
                                 grace_seconds=1.0,
-                                # Call deadlines far away: the call to the paused service
-                                # is not "late".
+                                # Call deadlines and the keepalive far away: the call to
+                                # the paused service is not "late", its link not "quiet".
                                 extra_env={**{f"SPECDECODE_{t}_TIMEOUT": "600" for t in (
-                                               "PROPOSER", "SCORER", "SCORER_RETRY")}})) \
+                                               "PROPOSER", "SCORER", "SCORER_RETRY",
+                                               "KEEPALIVE")}})) \
             as stack, \
             SpecDecodeClient(stack.address) as client:
         resends = [full_resends(stack)]
