@@ -16,8 +16,11 @@ when
 A call arriving meanwhile stops the cell being timed at its next module (the service's own
 work yields to traffic, specdecode.model_access), and the re-measurement with it; it starts
 again at the next idle spell. The new table replaces the old (a new version, which the
-orchestrator adopts) when its cells moved by DRIFT (median over cells); noise does not
-churn versions.
+orchestrator adopts) when its cells moved by DRIFT (median over cells) from the last table
+measured whole (the start-up one, then each new version), and probes are held against that
+one too: live forwards run beside the other service's and read dearer than idle ones, and
+held against the live cells every idle spell published the idle table again (x0.62, a new
+version every 20 s in CI), each adoption wiping what the orchestrator's policy had learned.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Recalibrator:
     def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
                  idle_s: float = IDLE_S, probe_s: float = PROBE_S):
         self.runner, self.costs, self.model = runner, costs, model
+        self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
         self.next_probe = time.monotonic() + probe_s
@@ -97,7 +101,7 @@ class Recalibrator:
             off = False
             for width in sorted({1, widest}):
                 seconds = await self.model.run(probe.cell, 1, width, traffic=False)
-                table = self.costs(1, width)
+                table = self.measured(1, width)
                 off = off or seconds > DRIFT * table or seconds * DRIFT < table
         finally:
             probe.close()  # nothing of it stays in the cache
@@ -125,11 +129,12 @@ class Recalibrator:
             session.close()
         measured = ForwardCosts(rows, widths, table)
         self.off, self.next_probe = 0, time.monotonic() + self.probe_s
-        moved = self.costs.ratio(measured)
-        if rows == self.costs.rows and 1 / DRIFT <= moved <= DRIFT:
+        moved = self.measured.ratio(measured)
+        if rows == self.measured.rows and 1 / DRIFT <= moved <= DRIFT:
             self.costs.replace(None)  # the table was right: no new version
             return False
         self.costs.replace(measured)
+        self.measured = measured
         log.info("forward costs re-measured while idle (x%.2f the old table's, rows %s): "
                  "version %d", moved, rows, self.costs.version)
         return True

@@ -15,6 +15,7 @@ from specdecode.cost_model import (DRIFT, DRIFT_RUN, ForwardCosts, calibrate,
                                    calibration_widths)
 from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
+from specdecode import recalibration
 from specdecode.recalibration import Recalibrator, merged_rows
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
@@ -71,6 +72,49 @@ def test_a_table_whose_wide_cells_alone_are_off_is_remeasured(runner):
     assert asyncio.run(run()) == [False, True]
     assert busy.version == 1 and busy(1, 3) < 0.2 * 50 * true(1, 3)
     assert runner.num_cached_sequences == 0
+
+
+class HostTimes:
+    """A Calibration on a host whose forwards take exactly `true`'s times (the decision
+    without timing noise: a re-measure of millisecond forwards beside a test suite varies
+    by more than DRIFT)."""
+
+    def __init__(self, true: ForwardCosts):
+        self.true = true
+
+    def __call__(self, runner, rows, tokens, context=0):
+        return self
+
+    def cell(self, rows: int, tokens: int) -> float:
+        return self.true(rows, tokens)
+
+    def close(self) -> None:
+        pass
+
+
+def test_traffic_that_reads_dearer_than_idle_does_not_churn_versions(runner, monkeypatch):
+    """Live forwards beside the other service's read dearer than the idle table (here 3x):
+    the live cells follow them and the table turns stale, but re-measured while idle it is
+    the table measured before -- no new version, and no probe finds it off afterwards.
+    Held against the live cells, each idle spell published a new version (CI: x0.62 every
+    20 s), and each adoption wiped what the orchestrator's policy had learned. A host that
+    did change (2x) is published."""
+    true = ForwardCosts([1], [1, 2, 3], [[0.010, 0.012, 0.013]])
+    monkeypatch.setattr(recalibration, "Calibration", HostTimes(true))
+    costs = true.snapshot()
+    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0)
+    for _ in range(DRIFT_RUN):  # traffic: every forward at 3x its idle cell's time
+        for w in costs.tokens:
+            costs.observe(1, w, 3 * true(1, w))
+    assert costs.stale() and costs(1, 2) > 1.5 * true(1, 2)
+
+    async def steps() -> list[bool]:
+        return [await recalibrator.step() for _ in range(3)]
+    assert asyncio.run(steps()) == [False] * 3
+    assert costs.version == 0 and not costs.stale() and recalibrator.off == 0
+    monkeypatch.setattr(recalibration, "Calibration", HostTimes(scaled(true, 2.0)))
+    assert asyncio.run(steps()) == [False, True, False]  # two probes off, then re-measured
+    assert costs.version == 1 and costs(1, 2) == pytest.approx(0.024)
 
 
 def test_a_call_stops_the_remeasurement(runner):
