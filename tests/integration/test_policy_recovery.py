@@ -30,15 +30,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from orchestrator.cluster.cost_refresh import REFRESH_S
 from orchestrator.cluster.remote import RemoteScorer
 from orchestrator.engine.speculation_policy import REASONS
 from specdecode.api.client import SpecDecodeClient
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.local import LocalStack, StackConfig, wait_process_serving
 from tests.support.metrics import scrape_metrics
+from tests.support.models import save_self_drafting_pair
 
 K = 4
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7, 8, 9]]
@@ -102,18 +101,7 @@ def wait_for_log(path: Path, text: str, timeout_s: float, after: int = 0) -> boo
 def cycling_pair(tmp_path_factory) -> tuple[str, str]:
     """(target, draft) directories: the target's layers after the first add nothing (their
     attention and MLP outputs are zeroed); the draft is its first layer."""
-    root = tmp_path_factory.mktemp("models")
-    target = build_tiny_model(TinyModelSpec(seed=1, attention=False, num_layers=32,
-                                            hidden_size=HIDDEN))
-    draft = build_tiny_model(TinyModelSpec(seed=1, attention=False, num_layers=1,
-                                           hidden_size=HIDDEN))
-    with torch.no_grad():
-        for layer in target.model.layers[1:]:
-            layer.mlp.down_proj.weight.zero_()
-    draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, norms, embeddings, head
-    target.save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
-    return str(root / "target"), str(root / "draft")
+    return save_self_drafting_pair(tmp_path_factory.mktemp("models"), 32, HIDDEN)
 
 
 def test_a_stack_started_under_load_chooses_what_an_idle_started_one_does(cycling_pair,

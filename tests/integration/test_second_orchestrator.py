@@ -26,13 +26,12 @@ import sys
 import time
 
 import pytest
-import torch
 
 from specdecode.api.client import SpecDecodeClient
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.local import (LocalStack, StackConfig, free_port, openmp_env,
                                     wait_process_serving)
 from tests.support.metrics import scrape_metrics
+from tests.support.models import save_self_drafting_pair
 
 K = 4
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42, 7, 8, 9]]
@@ -48,17 +47,7 @@ PIN = {"proposer": "0", "scorer": "1"} if len(os.sched_getaffinity(0)) >= 2 else
 def wide_pair(tmp_path_factory) -> tuple[str, str]:
     """(target, draft) directories: an 8-layer target whose layers after the first add
     nothing (attention and MLP outputs zeroed), and its first layer as the draft."""
-    root = tmp_path_factory.mktemp("models")
-    spec = dict(seed=1, attention=False, hidden_size=1024)
-    target = build_tiny_model(TinyModelSpec(**spec, num_layers=8))
-    draft = build_tiny_model(TinyModelSpec(**spec, num_layers=1))
-    with torch.no_grad():
-        for layer in target.model.layers[1:]:
-            layer.mlp.down_proj.weight.zero_()
-    draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, norms, embeddings, head
-    target.save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
-    return str(root / "target"), str(root / "draft")
+    return save_self_drafting_pair(tmp_path_factory.mktemp("models"), 8, 1024)
 
 
 def generate(address: str, prompts: list[list[int]]):

@@ -8,7 +8,7 @@ from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.engine.request import Request
 from specdecode.model_runner import ModelRunner
 from specdecode.sequence import SamplingParams
-from specdecode.tiny_models import TinyModelSpec
+from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
 
@@ -29,3 +29,20 @@ def make_engine(target, draft, scoring: str, k: int) -> SpecDecodeEngine:
 
 def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
+
+
+def save_self_drafting_pair(root, num_layers: int, hidden_size: int) -> tuple[str, str]:
+    """A tiny target without attention whose layers after the first add nothing (their MLP
+    outputs zeroed) and its first layer alone as the draft, saved under `root`: the draft
+    computes the target's own function, so every proposal is accepted. (target, draft)
+    directories."""
+    spec = dict(seed=1, attention=False, hidden_size=hidden_size)
+    target = build_tiny_model(TinyModelSpec(**spec, num_layers=num_layers))
+    draft = build_tiny_model(TinyModelSpec(**spec, num_layers=1))
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.mlp.down_proj.weight.zero_()
+    draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, norms, embeddings, head
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
