@@ -15,6 +15,7 @@ import pytest
 from tests.support.paths import ROOT
 
 
+@pytest.mark.slow  # ~25 s; the plans it prints are the policy's, tested in tests/unit
 def test_policy_trace_prints_every_steps_plan_and_the_cost_tables():
     r = subprocess.run(
         [sys.executable, "bench/policy_trace.py", "--pair", "tiny", "--max-tokens", "16",
@@ -57,7 +58,7 @@ def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_
     assert "first differs" not in r.stdout  # no output left its reference
 
 
-
+@pytest.mark.slow  # ~55 s; CI has the busy start in tests/integration/test_policy_recovery.py
 def test_adaptive_bench_runs_a_stack_started_under_load(tmp_path):
     """--parts busy: a stack started while busy loops held every core generates (its row
     beside HF target-only's greedy output, equal to it)."""

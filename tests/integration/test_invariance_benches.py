@@ -30,6 +30,7 @@ def test_invariance_probes_find_every_row_equal_with_the_mode_on(tmp_path):
     assert "Forward cost of each fix" in r.stdout and "Row invariance" in r.stdout
 
 
+@pytest.mark.slow  # ~40 s; CI has the mode's equality in tests/integration/test_invariant_bf16.py
 def test_deterministic_bench_outputs_equal_the_target_only_batch_1_output(tmp_path):
     run_bench("bench/deterministic_bench.py", "--pair", "tiny", "--modes", "on",
               "--scorings", "multi-query", "--streams", "1,2", "--classes", "code,copy",
