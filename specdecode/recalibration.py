@@ -95,7 +95,7 @@ class Recalibrator:
         once). The wide cell too: a host's load can inflate a wide forward many times more
         than a decode (two threads stalled on a busy core), and a probe of the decode alone
         then found the table right while every verify it priced read 3x too dear."""
-        widest = max(self.costs.tokens)
+        widest = self.measured.max_width
         probe = Calibration(self.runner, 1, widest, context=PROBE_CONTEXT)
         try:
             off = False

@@ -47,16 +47,16 @@ def wait_process_serving(address: str, timeout_s: float,
     """Wait until the server at `address` reports SERVING; RuntimeError if its process dies
     or time runs out (with the end of its `log`, if given). With `tls`, over TLS (presenting
     tls.cert to a server that asks)."""
+    def failed(message: str) -> RuntimeError:
+        tail = log_tail(log)
+        return RuntimeError(message + (f"; its log ends:\n{tail}" if tail else ""))
+
     def check() -> None:
         if process is not None and process.poll() is not None:
-            tail = log_tail(log)
-            raise RuntimeError(f"the server for {address} exited with code {process.returncode}"
-                               + (f"; its log ends:\n{tail}" if tail else ""))
+            raise failed(f"the server for {address} exited with code {process.returncode}")
     with open_channel(address, tls) as channel:
         if not wait_serving(channel, timeout_s, check):
-            tail = log_tail(log)
-            raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f}s"
-                               + (f"; its log ends:\n{tail}" if tail else ""))
+            raise failed(f"{address} did not report SERVING within {timeout_s:.0f}s")
 
 
 # How long a service's idle OpenMP thread spins before it sleeps, in libgomp's spin-loop

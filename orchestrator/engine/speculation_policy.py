@@ -27,10 +27,11 @@ and every sequence is due for exploration; while plain decoding is chosen the mo
 promising speculative plan runs now and then (a sequence after 8 of its plain steps, then
 16, ... 256; at once after a fresh table when full acceptance would pay well; within 3% of
 the plain time its requests have left -- or 10% of the plain time decoded on the unchecked
-tables so far, up to a quarter of what its requests have left --, later 2% of its own); a sequence that has
-speculated decodes plainly only when speculation would not pay at one posterior standard
-deviation above its acceptance; the services re-measure their tables while idle
-(specdecode.recalibration) and a newer table replaces the policy's (update_table).
+tables so far, up to a quarter of what its requests have left --, later 2% of its own); a
+sequence that has speculated decodes plainly only when speculation would not pay at one
+posterior standard deviation above its acceptance; the services re-measure their tables
+while idle (specdecode.recalibration) and a newer table replaces the policy's
+(update_table).
 
 Every plan says why (Plan.reasons, per sequence: REASONS) and its predicted speed-up over
 plain decoding.
