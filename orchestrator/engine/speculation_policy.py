@@ -125,7 +125,7 @@ class SpeculationPolicy:
         self.catch_up_factor = Learned(1.0, cautious=True)  # ... a catch-up's extra width
         self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
-        self.unchecked_plain_s = 0.0  # plain time decoded since they were last unchecked
+        self.unchecked_plain_s = 0.0  # plain time decoded on them since last checked
 
     def update_table(self, role: str, costs: ForwardCosts) -> None:
         """A service's re-measured table (any thread): the next plan adopts it."""
@@ -421,7 +421,8 @@ class SpeculationPolicy:
         else:
             shape = self.verify_shape.setdefault(width, Learned(1.0, cautious=True))
             shape.add(ratio / self.verify_host.value)
-            self.checked = True
+            if not self.checked:
+                self.checked, self.unchecked_plain_s = True, 0.0
 
     def _follow_host(self) -> None:
         """The scorer's decodes moved HOST_DRIFT from the host the draft's factors assume (the
@@ -429,7 +430,9 @@ class SpeculationPolicy:
         no step measured yet follow it (its table was timed under the scorer's load; a
         measured factor already holds the load it was measured under, and rescaling it too
         counted the load twice: x16 on a busy host), the tables count as unchecked and
-        every sequence is due for exploration (which measures the draft again)."""
+        every sequence is due for exploration (which measures the draft again). The plain
+        time decoded on unchecked tables is kept: under a load that stays, the scale moves
+        again and again, and restarting that budget at each move kept the stack plain."""
         host = self.verify_host.value
         if 1 / HOST_DRIFT <= host / self.host <= HOST_DRIFT:
             return
@@ -437,7 +440,7 @@ class SpeculationPolicy:
         for f in (self.draft_factor, self.catch_up_factor):
             if f.n == 0:
                 f.scale(scale)
-        self.checked, self.unchecked_plain_s = False, 0.0
+        self.checked = False
         for est in self.seqs.values():
             est.plain_steps = max(est.plain_steps, est.explore_after)
 

@@ -342,3 +342,30 @@ def test_ngram_copy_on_avx2_costs_speculates_k2_from_its_first_proposal():
             left -= n + 1
         p.forget([r])
     assert ks[:5] == [2] * 5 and sorted(ks)[len(ks) // 2] == 2
+
+
+def test_the_unchecked_budget_outlives_a_moving_host():
+    """Two busy loops that stay (issue 36's busy-loop run): the plain steps' host scale keeps
+    moving past HOST_DRIFT, and each move marks the tables unchecked again. The plain time
+    decoded on unchecked tables must still add up across the moves and pay for the next
+    request's probe: zeroed at every move, the stack decoded plainly for good (`no_budget`
+    on 29 of 52 steps where an idle-started stack chose k=4)."""
+    true_scorer, true_draft = table(0.30, 0.01), table(0.10, 0.004)
+    wrong_scorer, wrong_draft = table(0.50, 0.01), table(1.07, 0.03)
+    p = policy(wrong_scorer, wrong_draft)
+    plans = run_draft_steps(p, 64, true_scorer, true_draft, prompt=14, accept=True)
+    assert not any(plan.ks[0] for plan, _ in plans)
+    p.forget([1])
+    moves = 0
+    for step in range(120):  # other requests, plain: the host doubles or halves every 10 steps
+        host = p.host
+        plan = p.plan([Candidate(2, 0)])
+        p.observe(2, 0, 0, 0)
+        p.observe_step(plan, [0], 0.0, 0.304 * (2 if step // 10 % 2 else 1), 0.31)
+        moves += p.host != host
+    assert moves >= 5 and not p.checked
+    p.forget([2])
+    plans = run_draft_steps(p, 64, true_scorer, true_draft, prompt=14, accept=True)
+    explored = [i for i, (plan, _) in enumerate(plans) if plan.explore]
+    assert explored and explored[0] <= 8, [plan.reasons for plan, _ in plans]  # before: no_budget
+    assert sum(s for _, s in plans) < 0.65 * 64 * (0.004 + true_scorer(1, 1))
