@@ -10,8 +10,10 @@ Setups (`--parts`):
   (StackConfig.pin, `taskset`), the orchestrator and this client beside them: two one-core
   hosts. Paths: the defaults (`--async-drafting auto`: adaptive k, priced drafting ahead)
   and lockstep (`--async-drafting off`) at the defaults and at fixed k in --lockstep-k
-  (lockstep's best per class is the reference); batch 1: each prompt alone, the defaults and
-  lockstep at the defaults alternating (A B, B A, ...); `streams`: the classes at once.
+  (lockstep's best per class is the reference); batch 1: each prompt alone; `streams`: the
+  classes at once. One stack runs at a time: two stacks pinned to the same cores measure
+  each other (the idle one re-measures its forwards beside the other's traffic and adopts
+  tables x2 too dear: the defaults ran 0.6x lockstep's best that way).
 - hf: HF target-only (the reference for equality) and HF assisted generation (its
   defaults, and constant k in --hf-k; its best per class is reported) on one core, one
   thread: what one of the two hosts can do alone.
@@ -57,7 +59,7 @@ from adaptive_bench import (PROMPTS, Outcome, hf_generate, metric_total, pair_di
 CPU = torch.device("cpu")
 TWO_HOSTS = {"proposer": "0", "scorer": "1"}
 HF_CORE = 1  # the one core HF runs on (the scorer's in the two-host setup)
-BASE = "lockstep k<=8"  # lockstep at the defaults (adaptive k), paired with the defaults
+BASE = "lockstep k<=8"  # lockstep at the defaults (adaptive k)
 
 
 def lookahead_counts(stack: LocalStack) -> tuple[float, float]:
@@ -98,19 +100,14 @@ class Recorder:
 
 
 def run_stack(rec: Recorder, setup: str, path: str, stack: LocalStack, prompts, max_tokens,
-              repeats: int, k: int | None = None, paired: tuple[str, LocalStack] | None = None
-              ) -> None:
-    """Each prompt alone `repeats` times (with `paired`, alternating with that path's stack:
-    A B, B A, ...)."""
-    runs = [(path, stack)] + ([paired] if paired else [])
+              repeats: int, k: int | None = None) -> None:
+    """Each prompt alone, `repeats` times."""
     for j, p in enumerate(prompts):
-        for r in range(repeats):
-            for name, s in (runs if r % 2 == 0 else runs[::-1]):
-                before = lookahead_counts(s)
-                (o,), _, _ = stack_generate(s, [p], max_tokens, k, 1)
-                after = lookahead_counts(s)
-                rec.add(setup, name, [o], start=j,
-                        ahead=(after[0] - before[0], after[1] - before[1]))
+        for _ in range(repeats):
+            before = lookahead_counts(stack)
+            (o,), _, _ = stack_generate(stack, [p], max_tokens, k, 1)
+            after = lookahead_counts(stack)
+            rec.add(setup, path, [o], start=j, ahead=(after[0] - before[0], after[1] - before[1]))
 
 
 def run_streams(rec: Recorder, setup: str, path: str, stack: LocalStack, prompts,
@@ -211,13 +208,12 @@ def stacks(target_dir, draft_dir, dtype: str, pin: dict[str, str]):
 
 def run_setup(rec: Recorder, setup: str, make, prompts, max_tokens: int, repeats: int,
               lockstep_k: list[int], streams: bool) -> None:
-    """The defaults paired with lockstep at the defaults, then lockstep at fixed k."""
-    with make() as defaults, make(async_drafting="off") as lockstep:
-        run_stack(rec, setup, "defaults", defaults, prompts, max_tokens, repeats,
-                  paired=(BASE, lockstep))
-        if streams:
-            run_streams(rec, setup, "defaults", defaults, prompts, max_tokens)
-            run_streams(rec, setup, BASE, lockstep, prompts, max_tokens)
+    """The defaults, lockstep at the defaults, then lockstep at fixed k: one stack at a time."""
+    for path, kw in (("defaults", {}), (BASE, {"async_drafting": "off"})):
+        with make(**kw) as stack:
+            run_stack(rec, setup, path, stack, prompts, max_tokens, repeats)
+            if streams:
+                run_streams(rec, setup, path, stack, prompts, max_tokens)
     for k in lockstep_k:
         with make(async_drafting="off", speculation="fixed", num_speculative_tokens=k) as s:
             run_stack(rec, setup, f"lockstep k={k}", s, prompts, max_tokens, repeats)
