@@ -4,10 +4,12 @@ alone (k=0) against the draft speculating (docs/benchmarks.md, Structured output
     python bench/structured_bench.py [--pair qwen|tiny] [--dtype bfloat16] [--ks 4,8]
                                      [--max-tokens 200] [--repeats 2]
 
-In-process engine (specdecode_stack.inprocess), fixed k, multi-query scoring, the draft's head
-pruned to its 32,768 most frequent tokens as the stack's default is. Both runs have the
+In-process engines (specdecode_stack.inprocess), the draft's head pruned to its 32,768 most
+frequent tokens as the stack's default is: fixed k with multi-query scoring, and (`--defaults`)
+a second pair of models under the stack's defaults (adaptive k <= 8, auto scoring, the draft's
+early stop at confidence 0.4) against its own k=0 (issue 36's must-show). Every run has the
 grammar's jump-forward (forced tokens appended with no forward): the comparison is
-speculation alone. Per k: tokens/s (median over repeats, each prompt one request), the ratio
+speculation alone. Per path: tokens/s (median over repeats, each prompt one request), the ratio
 to k=0 in the same repeat, acceptance (accepted / draft tokens), the share of tokens the
 grammar forced, the grammar's cost per emitted token (the target's, the draft's and the
 engine's matcher work: syncs and masks) and per mask, whether every output is valid against
@@ -37,6 +39,7 @@ from specdecode.sequence import SamplingParams
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
 from specdecode_stack.inprocess import build_inprocess_engine
 
+DEFAULT_K = 8  # the stack's --num-speculative-tokens default: the most its policy picks
 S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 
 
@@ -139,27 +142,39 @@ def valid(tok, outputs: list[list[int]], eos: int) -> int:
 @click.option("--max-tokens", default=200, show_default=True)
 @click.option("--repeats", default=2, show_default=True)
 @click.option("--draft-vocab", default=32768, show_default=True)
+@click.option("--defaults/--no-defaults", default=True, show_default=True,
+              help="Also the stack's defaults (adaptive k) against their own k=0.")
 @click.option("--out", default=None, help="[bench/results/structured_<pair>_<dtype>.json]")
-def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, out) -> None:
+def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, defaults, out) -> None:
     target, draft, tok, draft_dir, prompts = load_pair(pair, getattr(torch, dtype))
     ks = [0, *map(int, ks.split(","))]
-    engine = build_inprocess_engine(target, draft, "multi-query", max(ks), tokenizer=tok,
-                                    draft_vocab_size=draft_vocab, draft_dir=draft_dir)
+    fixed = build_inprocess_engine(target, draft, "multi-query", max(ks), tokenizer=tok,
+                                   draft_vocab_size=draft_vocab, draft_dir=draft_dir)
+    paths = {k: (fixed, k) for k in ks}  # path -> (engine, the request's k)
+    if defaults:  # its own models: the pruned head replaced the other draft's
+        target, draft, *_ = load_pair(pair, getattr(torch, dtype))
+        engine = build_inprocess_engine(target, draft, "auto", DEFAULT_K, tokenizer=tok,
+                                        adaptive=True, draft_vocab_size=draft_vocab,
+                                        draft_dir=draft_dir, draft_confidence=0.4,
+                                        deterministic=dtype in ("bfloat16", "float16"))
+        paths |= {"defaults": (engine, DEFAULT_K), "defaults k=0": (engine, 0)}
     eos = tok.eos_token_id
-    run_once(engine, prompts[:1], 8, max(ks), eos)  # warm-up: compiles, first forwards
-    runs = {k: [] for k in ks}
+    for engine, k in {id(e): (e, k) for e, k in paths.values()}.values():
+        run_once(engine, prompts[:1], 8, k, eos)  # warm-up: first forwards
+    runs = {path: [] for path in paths}
     for _ in range(repeats):
-        for k in ks:  # interleaved: the machine drifts between repeats, not within one
-            runs[k].append(run_once(engine, prompts, max_tokens, k, eos))
+        for path, (engine, k) in paths.items():  # interleaved: the machine drifts between
+            runs[path].append(run_once(engine, prompts, max_tokens, k, eos))  # repeats
     table = Table(title=f"Structured output, {pair} pair, {dtype}, batch 1, {len(TASKS)} "
                         f"JSON-schema extraction prompts, <= {max_tokens} tokens each")
-    for col in ("k", "tokens/s", "vs k=0", "per repeat", "acceptance", "forced",
+    for col in ("path", "tokens/s", "vs k=0", "per repeat", "acceptance", "forced",
                 "grammar us/token", "us/mask", "valid", "equal to k=0"):
         table.add_column(col)
     rows, reference = [], runs[0][0]["outputs"]
     for k, rs in runs.items():
+        own = runs["defaults k=0" if str(k).startswith("defaults") else 0]
         tps = [r["tokens"] / r["seconds"] for r in rs]
-        ratios = [a / b for a, b in zip(tps, [r["tokens"] / r["seconds"] for r in runs[0]])]
+        ratios = [a / b for a, b in zip(tps, [r["tokens"] / r["seconds"] for r in own])]
         r0 = rs[0]
         same = sum(a == b for o, ref in zip(r0["outputs"], reference) for a, b in zip(o, ref))
         row = {"k": k, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
@@ -171,7 +186,7 @@ def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, out) -> None:
                "valid": valid(tok, r0["outputs"], eos), "tokens": r0["tokens"],
                "equal_tokens": same, "reference_tokens": sum(map(len, reference))}
         rows.append(row)
-        table.add_row(str(k), f"{row['tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
+        table.add_row(k if isinstance(k, str) else f"k={k}", f"{row['tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
                       f"{min(ratios):.2f}-{max(ratios):.2f}x",
                       "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}",
                       f"{row['forced_share']:.0%}", f"{row['grammar_us_per_token']:.0f}",

@@ -9,14 +9,16 @@ from tests.support.benches import run_bench
 
 
 
-def test_structured_bench_compares_speculation_with_k0_on_the_tiny_pair(tmp_path):
+def test_structured_bench_compares_speculation_and_the_defaults_with_k0_on_the_tiny_pair(tmp_path):
     out = tmp_path / "structured.json"
     run_bench("bench/structured_bench.py", "--pair", "tiny", "--dtype", "float32", "--ks", "2",
               "--max-tokens", "24", "--repeats", "1", "--out", str(out))
     rows = {row["k"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {0, 2}
+    assert set(rows) == {0, 2, "defaults", "defaults k=0"}
     assert rows[2]["acceptance"] is not None and rows[0]["acceptance"] is None
-    assert rows[2]["equal_tokens"] == rows[2]["reference_tokens"]  # float32: same output
+    assert rows["defaults k=0"]["acceptance"] is None
+    for path in (2, "defaults", "defaults k=0"):  # float32: the same output on every path
+        assert rows[path]["equal_tokens"] == rows[path]["reference_tokens"], path
     assert rows[0]["forced_share"] > 0 and rows[0]["us_per_mask"] > 0
 
 
