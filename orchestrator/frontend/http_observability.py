@@ -59,7 +59,9 @@ class RequestId:
 class HttpMetrics:
     """Count and time every HTTP request by its route's template (`/v1/models/{model_id}`,
     not the path), method and status. Outermost, so that it sees what the guards answer
-    (401, 413) and, as 500, an exception that escapes the app."""
+    (401, 413) and, as 500, an exception that escapes the app. Counted before the last
+    body message goes out: a client that scrapes /metrics once it has its answer finds it
+    counted (after the send, a busy host let the scrape go first)."""
 
     def __init__(self, app, routes):
         self.app, self.routes = app, routes
@@ -74,18 +76,25 @@ class HttpMetrics:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = 500  # unless the app starts a response
+        status, counted, start = 500, False, time.perf_counter()  # 500: no response started
+
+        def count():
+            nonlocal counted
+            if not counted:
+                counted = True
+                method = scope["method"] if scope["method"] in METHODS else "other"
+                labels = (self.route_of(scope), method, str(status))
+                HTTP_REQUESTS.labels(*labels).inc()
+                HTTP_SECONDS.labels(*labels).observe(time.perf_counter() - start)
 
         async def observe(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                count()
             await send(message)
-        start = time.perf_counter()
         try:
             await self.app(scope, receive, observe)
         finally:
-            method = scope["method"] if scope["method"] in METHODS else "other"
-            labels = (self.route_of(scope), method, str(status))
-            HTTP_REQUESTS.labels(*labels).inc()
-            HTTP_SECONDS.labels(*labels).observe(time.perf_counter() - start)
+            count()
