@@ -19,7 +19,13 @@ def test_forward_costs_interpolate_extrapolate_and_stay_monotone_across_rows():
     assert costs(1, 1) == pytest.approx(1.0)
     assert costs(1, 4) == pytest.approx(2.5)  # between the 3- and 5-token points
     assert costs(1, 13) == pytest.approx(7.0)  # linear beyond the last token point
-    assert costs(8, 1) == pytest.approx(2.0)  # per-row time of the last row point, x 8
+    # Beyond the last row point: that row count with as many tokens in all (8 x 1 = 4 x 2),
+    # linear in them past the widest cell (8 x 9 = 4 x 18: twice the 9-token forward).
+    assert costs(8, 1) == pytest.approx(costs(4, 2)) == pytest.approx(1.5)
+    assert costs(8, 9) == pytest.approx(2 * costs(4, 9)) == pytest.approx(10.0)
+    flat = table(0.3, 0.0, tokens=[1, 2, 3, 4, 5])  # bf16 at 4 rows: flat up to 5 tokens ...
+    flat.seconds[-1][-1] = 0.6  # ... then the knee (the Qwen target measured 0.31 -> 0.63 s)
+    assert flat(10, 2) == pytest.approx(0.6) and flat(10, 1) < 0.35  # 20 tokens: the knee
     # fp32 on CPU: a 2-token forward measured faster than a decode is kept as measured (no
     # envelope across widths: it lifted every wider verify to the slowest narrower one) ...
     fp32 = ForwardCosts([1, 4], [1, 2, 3], [[1.0, 0.4, 2.0], [0.9, 1.0, 2.5]])

@@ -13,10 +13,17 @@ from scorer_svc.auto import AutoScorer
 from specdecode.sequence import SamplingParams
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.inprocess import build_inprocess_engine
-from tests.support.adaptive import MAX_TOKENS, PROMPTS, policy, table
+from specdecode.cost_model import ForwardCosts
+from tests.support.adaptive import MAX_TOKENS, PROMPTS, TOKENS, policy
 from tests.support.chi_square import chi_square_pvalue
 from tests.support.models import CPU, TARGET, greedy_request
 from tests.support.references import reference_greedy, target_pair_probs
+
+
+def flat_at_any_batch(decode: float, per_token: float) -> ForwardCosts:
+    """A table as wide in rows as any test batch (3,000 requests at once), so that no row
+    count is priced beyond it (by its tokens in all: compute-bound, speculation never pays)."""
+    return ForwardCosts([1, 4096], TOKENS, [[decode + per_token * (q - 1) for q in TOKENS]] * 2)
 
 
 def adaptive_engine(target, draft, draft_vocab_size: int = 0, k: int = 4,
@@ -26,9 +33,10 @@ def adaptive_engine(target, draft, draft_vocab_size: int = 0, k: int = 4,
     engine = build_inprocess_engine(target, draft, "auto", k, CPU, ngram_min=1,
                                     adaptive=False, draft_vocab_size=draft_vocab_size,
                                     draft_confidence=draft_confidence)
-    costs = table(0.01, 0.0005)
+    costs = flat_at_any_batch(0.01, 0.0005)
     engine.scorer = AutoScorer(engine.scorer.worker, costs)
-    engine.policy = policy(costs, table(0.001, 0.0) if draft != "ngram" else None, k_max=k,
+    draft_costs = flat_at_any_batch(0.001, 0.0) if draft != "ngram" else None
+    engine.policy = policy(costs, draft_costs, k_max=k,
                            measure_overheads=False)  # decisions independent of this host
     return engine
 

@@ -272,7 +272,8 @@ def test_noisy_step_times_choose_what_exact_ones_do(draft_decode_s):
 # -- a reason for every k ------------------------------------------------------------------
 
 def test_every_k_has_a_reason():
-    scorer, draft = fp32_tables()
+    scorer, draft = fp32_tables()  # two rows: each the one-row forward (no batching gain)
+    scorer = ForwardCosts([1, 2], WIDTHS9, [scorer.seconds[0], [2 * s for s in scorer.seconds[0]]])
     p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft, prior=0.3)
     plan = p.plan([Candidate(1, 0), Candidate(2, 8, behind=2)])
     assert plan.reasons == ["capped", "exploration_pending"] and plan.speedup == 1.0
