@@ -159,8 +159,10 @@ def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, defaults, out) -> No
                                         deterministic=dtype in ("bfloat16", "float16"))
         paths |= {"defaults": (engine, DEFAULT_K), "defaults k=0": (engine, 0)}
     eos = tok.eos_token_id
-    for engine, k in {id(e): (e, k) for e, k in paths.values()}.values():
-        run_once(engine, prompts[:1], 8, k, eos)  # warm-up: first forwards
+    for engine, k in paths.values():
+        run_once(engine, prompts[:1], 8, k, eos)  # warm-up: first forwards at each k
+    zero_of = {path: next(q for q, (e, qk) in paths.items() if e is engine and qk == 0)
+               for path, (engine, _) in paths.items()}  # the same engine's k=0 path
     runs = {path: [] for path in paths}
     for _ in range(repeats):
         for path, (engine, k) in paths.items():  # interleaved: the machine drifts between
@@ -172,7 +174,7 @@ def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, defaults, out) -> No
         table.add_column(col)
     rows, reference = [], runs[0][0]["outputs"]
     for k, rs in runs.items():
-        own = runs["defaults k=0" if str(k).startswith("defaults") else 0]
+        own = runs[zero_of[k]]
         tps = [r["tokens"] / r["seconds"] for r in rs]
         ratios = [a / b for a, b in zip(tps, [r["tokens"] / r["seconds"] for r in own])]
         r0 = rs[0]
@@ -186,7 +188,8 @@ def main(pair, dtype, ks, max_tokens, repeats, draft_vocab, defaults, out) -> No
                "valid": valid(tok, r0["outputs"], eos), "tokens": r0["tokens"],
                "equal_tokens": same, "reference_tokens": sum(map(len, reference))}
         rows.append(row)
-        table.add_row(k if isinstance(k, str) else f"k={k}", f"{row['tokens_per_s']:.2f}", f"{row['speedup']:.2f}x",
+        table.add_row(k if isinstance(k, str) else f"k={k}", f"{row['tokens_per_s']:.2f}",
+                      f"{row['speedup']:.2f}x",
                       f"{min(ratios):.2f}-{max(ratios):.2f}x",
                       "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}",
                       f"{row['forced_share']:.0%}", f"{row['grammar_us_per_token']:.0f}",

@@ -10,10 +10,10 @@ import torch
 from orchestrator.engine.request import Request
 from proposer_svc.pruned_head import PrunedLMHead
 from scorer_svc.auto import AutoScorer
+from specdecode.cost_model import ForwardCosts
 from specdecode.sequence import SamplingParams
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.inprocess import build_inprocess_engine
-from specdecode.cost_model import ForwardCosts
 from tests.support.adaptive import MAX_TOKENS, PROMPTS, TOKENS, policy
 from tests.support.chi_square import chi_square_pvalue
 from tests.support.models import CPU, TARGET, greedy_request
