@@ -30,6 +30,7 @@ import logging
 import time
 
 from specdecode.cost_model import DRIFT, Calibration, ForwardCosts
+from specdecode.host_load import HostLoad
 from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
 
@@ -58,8 +59,9 @@ class Recalibrator:
     through `model`, one at a time with the service's calls."""
 
     def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
-                 idle_s: float = IDLE_S, probe_s: float = PROBE_S):
+                 idle_s: float = IDLE_S, probe_s: float = PROBE_S, host: HostLoad | None = None):
         self.runner, self.costs, self.model = runner, costs, model
+        self.host = host or HostLoad()
         self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
@@ -79,7 +81,7 @@ class Recalibrator:
 
     async def step(self) -> bool:
         """One check: re-measure if the table is stale; True when it was replaced."""
-        if self.model.idle_for() < self.idle_s:
+        if not self._idle():
             return False
         try:
             if not self.costs.stale():
@@ -88,6 +90,11 @@ class Recalibrator:
             return await self.remeasure()
         except ForwardStopped:  # a call came during a cell: it went first
             return False
+
+    def _idle(self) -> bool:
+        """No call for idle_s, and no other process kept the host's CPUs busy since the last
+        check (the other service's traffic on a shared host, another tenant)."""
+        return self.model.idle_for() >= self.idle_s and not self.host.busy()
 
     async def _probe_off(self) -> bool:
         """A probe: a decode and a one-row forward at the table's widest width; True when two
@@ -121,7 +128,7 @@ class Recalibrator:
             for r in rows:
                 line = []
                 for w in widths:
-                    if self.model.idle_for() < self.idle_s:
+                    if not self._idle():
                         return False
                     line.append(await self.model.run(session.cell, r, w, traffic=False))
                 table.append(line)
