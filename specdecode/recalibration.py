@@ -5,8 +5,10 @@ A table timed at start-up on a busy host (another process on the cores, the othe
 loading) can be several times off, and live forwards refresh only the cells that traffic
 runs: with the policy decoding plainly, only the decode cells, so the verify cells stay as
 dear as the busy start-up measured them and speculation never looks worth trying. So the
-service re-measures the whole table, cell by cell, while it is idle (no call for IDLE_S),
-when
+service re-measures the whole table, cell by cell, while it is idle (no call for IDLE_S)
+and so is its host (specdecode.host_load: no other process kept its CPUs busy; an idle
+proposer that timed forwards beside the scorer's plain decodes slowed them and published
+a table ~1.8x too dear), when
 
 - live forwards drifted off their cells (ForwardCosts.stale: DRIFT either way, DRIFT_RUN
   in a row), or traffic ran row counts the grid lacks (they are added, MAX_ROWS at most);
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from specdecode.cost_model import DRIFT, Calibration, ForwardCosts
+from specdecode.host_load import HostLoad
 from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
 
@@ -39,6 +43,7 @@ IDLE_S = 2.0  # no call for this long: the service is idle
 PROBE_S = 10.0  # while idle, a probe this often
 MAX_ROWS = 8  # row counts in a table at most (merged_rows)
 PROBE_CONTEXT = 8  # cached tokens of a probe's row (it refills them each time)
+BACKOFF_S = 10.0  # the host found busy: nothing is timed for a random half to whole of this
 
 
 def merged_rows(table: list[int], seen: set[int]) -> list[int]:
@@ -58,8 +63,11 @@ class Recalibrator:
     through `model`, one at a time with the service's calls."""
 
     def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
-                 idle_s: float = IDLE_S, probe_s: float = PROBE_S):
+                 idle_s: float = IDLE_S, probe_s: float = PROBE_S, host: HostLoad | None = None,
+                 backoff_s: float = BACKOFF_S):
         self.runner, self.costs, self.model = runner, costs, model
+        self.host, self.backoff_s = host or HostLoad(), backoff_s
+        self.held_until = 0.0  # the host was busy: nothing is timed before this
         self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
@@ -79,7 +87,7 @@ class Recalibrator:
 
     async def step(self) -> bool:
         """One check: re-measure if the table is stale; True when it was replaced."""
-        if self.model.idle_for() < self.idle_s:
+        if not self._idle():
             return False
         try:
             if not self.costs.stale():
@@ -88,6 +96,20 @@ class Recalibrator:
             return await self.remeasure()
         except ForwardStopped:  # a call came during a cell: it went first
             return False
+
+    def _idle(self) -> bool:
+        """No call for idle_s, no other process kept the host's CPUs busy since the last
+        check (the other service's traffic on a shared host, another tenant), and none did
+        within a random back-off before: two idle services on one host that both start to
+        time see each other as load and both stop; held for different times, one goes
+        first and the other finds it busy, until it is done."""
+        if self.model.idle_for() < self.idle_s:
+            return False
+        now = time.monotonic()
+        if self.host.busy():
+            self.held_until = now + random.uniform(0.5, 1.0) * self.backoff_s
+            return False
+        return now >= self.held_until
 
     async def _probe_off(self) -> bool:
         """A probe: a decode and a one-row forward at the table's widest width; True when two
@@ -121,7 +143,7 @@ class Recalibrator:
             for r in rows:
                 line = []
                 for w in widths:
-                    if self.model.idle_for() < self.idle_s:
+                    if not self._idle():
                         return False
                     line.append(await self.model.run(session.cell, r, w, traffic=False))
                 table.append(line)

@@ -13,6 +13,7 @@ import torch
 
 from specdecode.cost_model import (DRIFT, DRIFT_RUN, ForwardCosts, calibrate,
                                    calibration_widths)
+from specdecode.host_load import HostLoad
 from specdecode.model_access import ForwardStopped, ModelAccess
 from specdecode.model_runner import ModelRunner
 from specdecode import recalibration
@@ -20,6 +21,20 @@ from specdecode.recalibration import Recalibrator, merged_rows
 from specdecode.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
+
+
+class Host:
+    """A host whose other processes are busy or not, as the test says (the real HostLoad
+    reads the machine: beside a test suite or busy loops it would always say busy)."""
+
+    def __init__(self, busy: bool = False):
+        self.busy_now = busy
+
+    def busy(self) -> bool:
+        return self.busy_now
+
+
+QUIET = Host()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +66,7 @@ def test_a_table_measured_on_a_busy_host_is_remeasured_while_idle(runner):
     row off by more than DRIFT, then every cell re-measured, a new version."""
     true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
     busy = scaled(true, 50.0)
-    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0)
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0, host=QUIET)
 
     async def run() -> list[bool]:
         return [await recalibrator.step(), await recalibrator.step()]
@@ -65,7 +80,7 @@ def test_a_table_whose_wide_cells_alone_are_off_is_remeasured(runner):
     forward finds it, twice in a row, and the whole table is re-measured."""
     true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
     busy = ForwardCosts([1], [1, 2, 3], [[true(1, 1), 50 * true(1, 2), 50 * true(1, 3)]])
-    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0)
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0, host=QUIET)
 
     async def run() -> list[bool]:
         return [await recalibrator.step(), await recalibrator.step()]
@@ -102,7 +117,7 @@ def test_traffic_that_reads_dearer_than_idle_does_not_churn_versions(runner, mon
     true = ForwardCosts([1], [1, 2, 3], [[0.010, 0.012, 0.013]])
     monkeypatch.setattr(recalibration, "Calibration", HostTimes(true))
     costs = true.snapshot()
-    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0)
+    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0, host=QUIET)
     for _ in range(DRIFT_RUN):  # traffic: every forward at 3x its idle cell's time
         for w in costs.tokens:
             costs.observe(1, w, 3 * true(1, w))
@@ -123,7 +138,7 @@ def test_a_call_stops_the_remeasurement(runner):
     model = idle_access()
     busy = scaled(calibrate(runner, rows=(1,), tokens=(1, 2, 3, 4), repeats=1), 50.0)
     busy.observe(3, 1, 1.0)  # stale: traffic ran a row count the grid lacks
-    recalibrator = Recalibrator(runner, busy, model, idle_s=1.0)
+    recalibrator = Recalibrator(runner, busy, model, idle_s=1.0, host=QUIET)
 
     async def run() -> bool:
         measuring = asyncio.create_task(recalibrator.step())
@@ -185,6 +200,55 @@ def test_drift_and_new_row_counts_in_traffic_make_a_table_stale(runner):
 def test_row_counts_seen_in_traffic_are_measured_when_idle(runner):
     costs = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
     costs.observe(3, 2, 1.0)  # traffic ran 3 rows
-    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0)
+    recalibrator = Recalibrator(runner, costs, idle_access(), idle_s=1.0, host=QUIET)
     assert asyncio.run(recalibrator.step()) is True
     assert costs.rows == [1, 3] and costs.version == 1 and not costs.stale()
+
+
+def test_no_probe_or_remeasure_while_other_work_holds_the_host(runner):
+    """The service idle but the host busy (the other service's traffic on the same cores):
+    nothing is timed, since it would slow that traffic and read the table dear; the same
+    stale table is re-measured once the host is idle too."""
+    true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
+    busy = scaled(true, 50.0)
+    host = Host(busy=True)
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0, host=host,
+                                backoff_s=0.0)
+
+    async def steps(n: int) -> list[bool]:
+        return [await recalibrator.step() for _ in range(n)]
+    assert asyncio.run(steps(3)) == [False] * 3 and recalibrator.off == 0 and busy.version == 0
+    host.busy_now = False
+    assert asyncio.run(steps(2)) == [False, True] and busy.version == 1
+
+
+def test_a_busy_host_holds_the_timing_back_for_a_while(runner):
+    """Busy once, then quiet: nothing is timed until the back-off (half to all of backoff_s)
+    has passed: two services that found each other's timing as load do not start again
+    together (without the hold the second step would re-measure)."""
+    busy = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 50.0)
+    host = Host(busy=True)
+    recalibrator = Recalibrator(runner, busy, idle_access(), idle_s=1.0, probe_s=0.0, host=host,
+                                backoff_s=0.4)
+
+    async def steps(n: int) -> list[bool]:
+        return [await recalibrator.step() for _ in range(n)]
+    assert asyncio.run(steps(1)) == [False]
+    host.busy_now = False
+    assert asyncio.run(steps(2)) == [False, False] and busy.version == 0
+    time.sleep(0.45)
+    assert asyncio.run(steps(2)) == [False, True] and busy.version == 1
+
+
+def test_host_load_counts_other_processes_only():
+    """Busy CPU seconds of the allowed CPUs less this process's own CPU time, over the wall
+    time and the CPU count: 1.5 s of others' work on 2 CPUs in ~0.05 s reads far above the
+    threshold; this process's own work alone reads 0."""
+    readings = iter([10.0, 11.5])
+    load = HostLoad({0, 1}, read=lambda cpus: next(readings))
+    time.sleep(0.05)
+    assert load.others_busy() > 1.0
+    load = HostLoad({0}, read=lambda cpus: time.process_time())  # all of it this process's
+    sum(i * i for i in range(200_000))
+    assert load.others_busy() < 0.05 and not load.busy()
+    assert HostLoad({0}, read=lambda cpus: None).others_busy() == 0.0  # not Linux: unknown
