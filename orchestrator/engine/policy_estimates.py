@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from specdecode.cost_model import ForwardCosts
 
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
-PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate
+PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate, at least ...
+PRIOR_WEIGHT_MAX = 16.0  # ... and at most, as alike as ended sequences accepted (PriorWeight)
+PRIOR_SEQS = 3  # ended sequences before their spread sets the weight ...
+PRIOR_TRIED = 4.0  # ... each with this many (decayed) positions tested
 LEARNED_WINDOW = 9  # a learned time or factor: the median of this many recent steps
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 LEARNED_TRUST = 3  # ... a cautious one believes a dearer reading from this many on
@@ -206,6 +209,34 @@ class Acceptance:
         self.accepted *= decay
         self.tried *= decay
         self.plain_steps += 1
+
+
+@dataclass
+class PriorWeight:
+    """How many trials the all-sequences prior counts in a sequence's estimate: empirical
+    Bayes over recently ended sequences (the method of moments for a Beta prior,
+    n0 = μ(1-μ)/σ² - 1, σ² their acceptances' spread less what their own trial counts
+    explain). Where sequences accept alike (a code assistant's requests) the prior weighs up
+    to PRIOR_WEIGHT_MAX trials, and one exploration that met a disagreement (2 of 3
+    positions) does not drop a fresh sequence to plain decoding for the rest of a short
+    request; where they differ (code beside prose) it stays at PRIOR_WEIGHT and a
+    sequence's own steps decide soon."""
+
+    ended: deque = field(default_factory=lambda: deque(maxlen=32))  # (acceptance, tried)
+
+    def add(self, est: Acceptance) -> None:
+        if est.tried >= PRIOR_TRIED:
+            self.ended.append((est.accepted / est.tried, est.tried))
+
+    def weight(self) -> float:
+        if len(self.ended) < PRIOR_SEQS:
+            return PRIOR_WEIGHT
+        mu = sum(a * t for a, t in self.ended) / sum(t for _, t in self.ended)
+        spread = statistics.fmean((a - mu) ** 2 for a, _ in self.ended)
+        between = spread - statistics.fmean(mu * (1.0 - mu) / t for _, t in self.ended)
+        if between <= 0.0:
+            return PRIOR_WEIGHT_MAX
+        return min(max(mu * (1.0 - mu) / between - 1.0, PRIOR_WEIGHT), PRIOR_WEIGHT_MAX)
 
 
 @dataclass

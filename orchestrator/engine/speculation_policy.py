@@ -12,7 +12,8 @@ sequence skips the proposer and is plain decoding, so the policy never picks spe
 that its costs say does not pay. Only widths the scorer's table measured are priced.
 
 Acceptance is learned per sequence from what verification accepted (decayed counts), blended
-with the running acceptance of all sequences as a prior; a sequence speculates at most four
+with the running acceptance of all sequences as a prior (weighed as alike as ended sequences
+accepted: policy_estimates.PriorWeight); a sequence speculates at most four
 times the draft tokens it has itself had accepted (at least 2), and never beyond what it may
 still emit. A draft model's catch-up (the tokens it missed while the sequence decoded
 plainly) is priced at its real width and spread over the speculative steps the request has
@@ -25,9 +26,9 @@ A table taken on a busy host must not lock speculation off: when plain steps mov
 host's scale by HOST_DRIFT, unmeasured draft factors follow, the tables count as unchecked
 and every sequence is due for exploration; while plain decoding is chosen the most
 promising speculative plan runs now and then (a sequence after 8 of its plain steps, then
-16, ... 256; at once after a fresh table when full acceptance would pay well; within 3% of
-the plain time its requests have left -- or 10% of the plain time decoded on the unchecked
-tables so far, up to a quarter of what its requests have left --, later 2% of its own); a
+16, ... 256; at once after a fresh table when full acceptance would pay well, within a
+quarter of the plain time its request has left; else within 3% of it -- or 10% of the plain
+time decoded on the unchecked tables so far, up to a quarter --, later 2% of its own); a
 sequence that has speculated decodes plainly only when speculation would not pay at one
 posterior standard deviation above its acceptance; the services re-measure their tables
 while idle (specdecode.recalibration) and a newer table replaces the policy's
@@ -44,7 +45,7 @@ import threading
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.policy_plan import Candidate, Plan, horizon, rate, steady_rate
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
-                                                  draft_seconds, expected_tokens, factor_of,
+                                                  PriorWeight, draft_seconds, expected_tokens, factor_of,
                                                   length_pmf, point_pmf, trusted_limits,
                                                   verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
@@ -69,7 +70,10 @@ EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its 
 # plainly for good)
 EXPLORE_UNCHECKED_SHARE, EXPLORE_REQUEST_CAP = 0.1, 0.25
 EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
-# when the tables say fully accepted speculation would run this much faster
+# when the tables say fully accepted speculation would run this much faster, within
+# EXPLORE_REQUEST_CAP of what its request has left (within 3%, fp32's first request on a
+# fresh stack, priced at the start-up prior on the dear 3-token verify, waited 11 of its 32
+# steps: 0.84x fixed k=8 on code)
 HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
 NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
 
@@ -103,6 +107,7 @@ class SpeculationPolicy:
         self.scoring = scoring
         self.seqs: dict[int, Acceptance] = {}
         self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
+        self.prior_weight = PriorWeight()  # the trials `all` counts in a sequence's estimate
         self.measure_overheads = measure_overheads
         self.lookahead = lookahead  # prices drafting ahead too (None: lockstep only)
         self.step_s, self.ngram_s = Learned(0.0), Learned(0.0)  # outside the calls; n-gram call
@@ -150,13 +155,13 @@ class SpeculationPolicy:
         caps = [min(c.cap, self.k_max) for c in candidates]
         if not self.adaptive or not candidates:
             return Plan(caps, "", 0.0, 0.0, reasons=["fixed" if k else "capped" for k in caps])
-        prior = self.all.alpha(0.5, 0.0)
+        prior, weight = self.all.alpha(0.5, 0.0), self.prior_weight.weight()
         est = [self.seqs.setdefault(c.seq_id, Acceptance()) for c in candidates]
         widest = self.scorer_costs.max_width - 1  # price only measured verify widths
         hard = [max(0, min(cap, c.remaining - 1, widest)) for cap, c in zip(caps, candidates)]
         risk = self._risks(max(hard, default=0))
         trusted = [trusted_limits(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
-        alphas = [a.alpha(prior) for a in est]
+        alphas = [a.alpha(prior, weight) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)
         conts = [a.continuation(cont_prior) if self.draft_model else 1.0 for a in est]
@@ -169,7 +174,7 @@ class SpeculationPolicy:
         if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
             best = best_spec
         else:  # the evidence against speculating may be thin: what it could still gain
-            hopeful = [a.alpha(prior, optimism=OPTIMISM if a.positions else 0.0) for a in est]
+            hopeful = [a.alpha(prior, weight, OPTIMISM if a.positions else 0.0) for a in est]
             spec = self._search(trusted, hopeful, rates, lambda ks: evaluate(ks, hopeful))
             if spec is not None and rate(spec) > rate(plain) * GAIN_MARGIN:
                 best = evaluate(spec.ks)  # priced at the posterior means
@@ -257,7 +262,8 @@ class SpeculationPolicy:
             budget = EXPLORE_SHARE * min(est[i].plain_s for i in due)
         else:  # unchecked tables: a share of what the requests have left or have decoded
             left = plain.seconds * min(candidates[i].remaining for i in due)
-            budget = max(EXPLORE_FIRST_SHARE * left, min(
+            first = EXPLORE_REQUEST_CAP if at_once else EXPLORE_FIRST_SHARE
+            budget = max(first * left, min(
                 EXPLORE_UNCHECKED_SHARE * self.unchecked_plain_s, EXPLORE_REQUEST_CAP * left))
         loss = self._explore_loss(best_spec, plain)
         if loss > budget:
@@ -464,4 +470,6 @@ class SpeculationPolicy:
 
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
-            self.seqs.pop(s, None)
+            est = self.seqs.pop(s, None)
+            if est is not None and est.speculated:
+                self.prior_weight.add(est)

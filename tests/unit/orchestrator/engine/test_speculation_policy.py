@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.engine.policy_estimates import (length_pmf, longest_pmf, mean_length,
-                                                  verify_extra)
+from orchestrator.engine.policy_estimates import (PRIOR_WEIGHT, PRIOR_WEIGHT_MAX, length_pmf,
+                                                  longest_pmf, mean_length, verify_extra)
 from orchestrator.engine import speculation_policy
 from orchestrator.engine.speculation_policy import (REASONS, Candidate, SpeculationPolicy,
                                                    expected_tokens)
@@ -315,3 +315,60 @@ def test_the_step_carries_the_reasons_and_the_predicted_speedup():
         assert len(attrs["specdecode.k_reasons"]) == 1 and set(attrs["specdecode.k_reasons"]) <= set(REASONS)
         assert attrs["specdecode.predicted_speedup"] > 0
         assert "specdecode.best_speculative_speedup" in attrs
+
+
+# -- the first exploration on fresh tables, and the prior's weight ------------------------
+
+def test_a_fresh_stacks_first_request_explores_at_its_first_decode_step():
+    """fp32, fresh tables, the start-up prior (0.6): at prior acceptance the exploration
+    (k = 3, the dear 3-token verify) is priced ~0.4 s over plain, above 3% of a 32-token
+    request; full acceptance would run ~2x faster, so it is explored at once within a
+    quarter of the request (it waited 11 of 32 steps: 0.84x fixed k=8 on code)."""
+    scorer, draft = fp32_tables()
+    p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft)
+    plan = p.plan([Candidate(1, 8, behind=15, remaining=31)])
+    assert plan.explore and plan.ks[0] > 0 and plan.reasons == ["explore"]
+    p.observe(1, plan.ks[0], plan.ks[0], plan.ks[0])
+    p.observe_step(plan, plan.ks, 0.5, 1.2, 1.7)  # the tables are checked: no more at once
+    assert p.checked
+    later = p.plan([Candidate(2, 8, behind=15, remaining=31)])
+    assert not later.explore
+
+
+def ended(p: SpeculationPolicy, seq: int, accepted_of_8: list[int]) -> None:
+    for a in accepted_of_8:
+        p.observe(seq, 8, 8, a)
+    p.forget([seq])
+
+
+def test_the_prior_weighs_as_much_as_ended_sequences_accepted_alike():
+    """Empirical Bayes: code-like sequences (~0.9 each) make the prior count 16 trials;
+    code beside prose (~0.2) keeps it at 2; fewer than three ended sequences: 2."""
+    p = SpeculationPolicy(8)
+    ended(p, 1, [8, 8, 4] * 3)
+    ended(p, 2, [8, 5, 8] * 3)
+    assert p.prior_weight.weight() == PRIOR_WEIGHT
+    ended(p, 3, [8, 8, 6] * 3)
+    assert p.prior_weight.weight() == PRIOR_WEIGHT_MAX
+    ended(p, 4, [0, 1, 0] * 3)
+    ended(p, 5, [0, 0, 1] * 3)
+    assert p.prior_weight.weight() == PRIOR_WEIGHT
+
+
+def test_one_rejected_exploration_does_not_stop_a_sequence_like_the_others():
+    """fp32: after sequences that accepted ~0.9 alike, a sequence whose exploration met a
+    disagreement at once (its first of 7 proposals rejected) still speculates: its one
+    position weighs against 16 trials of the prior (posterior 0.86). With the fixed weight
+    of 2 (posterior 0.61) it decoded plainly, and a 32-token copy request ended so before
+    its next exploration (1.75 tok/s, k=0's 2.10)."""
+    def after_rejection(weight: float | None) -> list[int]:
+        scorer, draft = fp32_tables()
+        p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft)
+        for seq in range(1, 5):
+            ended(p, seq, [8, 3, 4, 8, 2, 8] * 2)
+        if weight is not None:
+            p.prior_weight.weight = lambda: weight
+        p.observe(9, 7, 7, 0)
+        return p.plan([Candidate(9, 8, behind=2, remaining=24)]).ks
+    assert after_rejection(None)[0] > 0
+    assert after_rejection(PRIOR_WEIGHT) == [0]
