@@ -342,8 +342,9 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
             with stack(draft_model=draft_path) as s:  # adaptive k, auto scoring
                 if "defaults" in parts:
                     add_paired("stack defaults", "stack k=0", s, None, 0)
-                if "streams" in parts:
-                    for label, k in (("stack defaults", None), ("stack k=0", 0)):
+                both = (("stack defaults", None), ("stack k=0", 0))
+                for r in range(repeats if "streams" in parts else 0):  # A B, B A, ...
+                    for label, k in both if r % 2 == 0 else both[::-1]:
                         outs, wall, chosen = stack_generate(s, prompts, max_tokens, k, len(prompts))
                         add(label, outs, chosen, wall, streams=len(prompts))
         if "busy" in parts:  # started while busy loops hold every core, then left alone
