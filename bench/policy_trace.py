@@ -60,7 +60,9 @@ def factors(p: SpeculationPolicy) -> str:
 @click.option("--draft", default="model", type=click.Choice(["model", "ngram"]), show_default=True)
 @click.option("--two-hosts", is_flag=True,
               help="Pin the proposer to core 0 and the scorer to core 1 (async_bench's two hosts).")
-def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts) -> None:
+@click.option("--streams", is_flag=True,
+              help="The classes' requests at once, one batch (else one after the other).")
+def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams) -> None:
     target_dir, draft_dir, encode = pair_dirs(pair)
     draft_model = str(draft_dir) if draft == "model" else "ngram"
     config = StackConfig(target_model=str(target_dir), draft_model=draft_model, tokenizer="none",
@@ -81,16 +83,20 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts) -> None:
         def recording(best, best_spec, plain, est, *rest):
             seen.update(best_spec=best_spec, plain=plain,
                         caps=[a.trusted_k() for a in est])
-            return explore(best, best_spec, plain, est, *rest)
+            seen["chosen"] = explore(best, best_spec, plain, est, *rest)
+            return seen["chosen"]
         policy._maybe_explore = recording
         engine = SpecDecodeEngine(proposer, scorer,
                                   max_model_len=min(p_info.max_model_len, s_info.max_model_len),
                                   num_speculative_tokens=k_max, policy=policy)
         try:
-            for cls in classes.split(","):
-                ids = encode(PROMPTS[cls][0])
-                engine.add_request(Request(cls, ids, SamplingParams(max_tokens=max_tokens)))
-                print(f"\n== {cls}: {len(ids)} prompt tokens, {max_tokens} to generate")
+            names = classes.split(",")
+            for batch in [names] if streams else [[cls] for cls in names]:
+                cls = "+".join(batch)
+                for name in batch:
+                    ids = encode(PROMPTS[name][0])
+                    engine.add_request(Request(name, ids, SamplingParams(max_tokens=max_tokens)))
+                print(f"\n== {cls}: {max_tokens} tokens each to generate")
                 step, total, tokens = 0, 0.0, 0
                 while engine.has_unfinished():
                     seen.clear()
@@ -105,6 +111,9 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts) -> None:
                             f"behind={list(behind.values())} new={st.new_tokens} "
                             f"acc={st.accepted_tokens}/{st.draft_tokens} "
                             f"meas p/s/t={st.propose_s:.3f}/{st.score_s:.3f}/{st.total_s:.3f}")
+                    if "chosen" in seen:  # the chosen plan's predicted step
+                        chosen = seen["chosen"][0]
+                        line += f" pred {chosen.seconds:.3f}s/{chosen.expected_tokens:.2f}tok"
                     if "plain" in seen:
                         plain, spec = seen["plain"], seen["best_spec"]
                         line += f" | cap={seen['caps']} plain {plain.seconds:.3f}s"
