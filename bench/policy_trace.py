@@ -27,6 +27,7 @@ from orchestrator.engine.request import Request
 from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.cluster.fanout import connect_services
 from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
+from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.speculation_policy import SpeculationPolicy
 from specdecode.sequence import SamplingParams
 from specdecode_stack.local import LocalStack, StackConfig
@@ -62,7 +63,11 @@ def factors(p: SpeculationPolicy) -> str:
               help="Pin the proposer to core 0 and the scorer to core 1 (async_bench's two hosts).")
 @click.option("--streams", is_flag=True,
               help="The classes' requests at once, one batch (else one after the other).")
-def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams) -> None:
+@click.option("--async-drafting", default="off", type=click.Choice(["auto", "on", "off"]),
+              show_default=True, help="Draft ahead as `up` would (priced with the services' "
+              "cores shared, or not with --two-hosts).")
+def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams,
+         async_drafting) -> None:
     target_dir, draft_dir, encode = pair_dirs(pair)
     draft_model = str(draft_dir) if draft == "model" else "ngram"
     config = StackConfig(target_model=str(target_dir), draft_model=draft_model, tokenizer="none",
@@ -74,9 +79,12 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams) -> 
             ResilienceOptions(), 60.0)
         show_table("scorer at start-up", s_info.forward_cost.snapshot())
         show_table("draft at start-up", p_info.forward_cost and p_info.forward_cost.snapshot())
+        ahead = None if async_drafting == "off" else LookaheadPricing(
+            async_drafting, contention=0.0 if two_hosts else 1.0)
         policy = SpeculationPolicy(k_max, scorer_costs=s_info.forward_cost,
                                    draft_costs=p_info.forward_cost,
-                                   draft_model=p_info.vocab_size > 0, scoring=s_info.scoring_method)
+                                   draft_model=p_info.vocab_size > 0, scoring=s_info.scoring_method,
+                                   lookahead=ahead)
         seen = {}
         explore = policy._maybe_explore
 
@@ -88,7 +96,7 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams) -> 
         policy._maybe_explore = recording
         engine = SpecDecodeEngine(proposer, scorer,
                                   max_model_len=min(p_info.max_model_len, s_info.max_model_len),
-                                  num_speculative_tokens=k_max, policy=policy)
+                                  num_speculative_tokens=k_max, policy=policy, lookahead=ahead)
         try:
             names = classes.split(",")
             for batch in [names] if streams else [[cls] for cls in names]:
@@ -114,6 +122,11 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams) -> 
                     if "chosen" in seen:  # the chosen plan's predicted step
                         chosen = seen["chosen"][0]
                         line += f" pred {chosen.seconds:.3f}s/{chosen.expected_tokens:.2f}tok"
+                        line += " ahead" if chosen.ahead else ""
+                    if ahead is not None:
+                        line += (f" hits/misses {st.lookahead_hits}/{st.lookahead_misses} ready "
+                                 f"{st.lookahead_ready} wasted {st.lookahead_wasted} "
+                                 f"wait {st.lookahead_wait_s:.3f}s")
                     if "plain" in seen:
                         plain, spec = seen["plain"], seen["best_spec"]
                         line += f" | cap={seen['caps']} plain {plain.seconds:.3f}s"
