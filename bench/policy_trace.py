@@ -131,8 +131,10 @@ def main(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams,
                         plain, spec = seen["plain"], seen["best_spec"]
                         line += f" | cap={seen['caps']} plain {plain.seconds:.3f}s"
                         if spec is not None:
+                            gain = (spec.expected_tokens / spec.seconds) / (
+                                plain.expected_tokens / plain.seconds)
                             line += (f" spec k={spec.ks} {spec.expected_tokens:.2f}tok/"
-                                     f"{spec.seconds:.3f}s (x{spec.expected_tokens / spec.seconds * plain.seconds / plain.expected_tokens:.2f} plain; "
+                                     f"{spec.seconds:.3f}s (x{gain:.2f} plain; "
                                      f"draft {spec.draft_s:.3f} catch-up {spec.catch_up_s:.3f} over {spec.horizon:.0f})")
                     print(line + " | " + factors(policy), flush=True)
                     step += 1
