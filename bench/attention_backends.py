@@ -1,6 +1,6 @@
 """Attention over the KV pool, backend by backend, on one device: today's per-row SDPA (eager,
 on pool views), padded SDPA (eager and compiled) and FlexAttention (compiled) at decode and
-5-token verify shapes (docs/benchmarks.md, *Attention backends*).
+5-token verify shapes (docs/benchmarks.md, *Compiled forwards*).
 
     python bench/attention_backends.py                    # SmolLM2 fp32 and Qwen-1.5B bf16 shapes
     python bench/attention_backends.py --small            # CI size

@@ -17,11 +17,11 @@ from orchestrator.engine.speculation_policy import (REASONS, Candidate, Speculat
                                                    expected_tokens)
 from specdecode.cost_model import ForwardCosts
 
-# The target's fp32 forward on the 2-core EPYC, V(w) for w = 1..9 in ms (docs/benchmarks.md,
-# "Why, traced"): not monotone in the width, an 8-token verify costs 2.0 decodes and a
-# 3-token one 3.6.
+# The target's fp32 forward on the 2-core EPYC, V(w) for w = 1..9 in ms (docs/benchmarks.md
+# before 2026-12-06, "Why, traced"; git log -p): not monotone in the width, an 8-token verify
+# costs 2.0 decodes and a 3-token one 3.6.
 FP32_V = [410, 851, 1459, 887, 842, 939, 1195, 818, 956]
-# The target's bf16 forward there, w = 1..17 (docs/benchmarks.md, "Ceilings").
+# The target's bf16 forward there, w = 1..17 (docs/benchmarks.md before 2026-12-06, "Ceilings").
 BF16_V = [176, 167, 170, 191, 191, 205, 214, 211, 268, 281, 282, 291, 284, 294, 296, 313, 326]
 WIDTHS9 = list(range(1, 10))
 
