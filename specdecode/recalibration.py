@@ -44,6 +44,9 @@ PROBE_S = 10.0  # while idle, a probe this often
 MAX_ROWS = 8  # row counts in a table at most (merged_rows)
 PROBE_CONTEXT = 8  # cached tokens of a probe's row (it refills them each time)
 BACKOFF_S = 10.0  # the host found busy: nothing is timed for a random half to whole of this
+# ... unless it stayed busy this long and live forwards say the table is stale: a load that
+# lasts is the host's condition (probes still wait for an idle host)
+LASTING_S = 30.0
 
 
 def merged_rows(table: list[int], seen: set[int]) -> list[int]:
@@ -64,10 +67,11 @@ class Recalibrator:
 
     def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
                  idle_s: float = IDLE_S, probe_s: float = PROBE_S, host: HostLoad | None = None,
-                 backoff_s: float = BACKOFF_S):
+                 backoff_s: float = BACKOFF_S, lasting_s: float = LASTING_S):
         self.runner, self.costs, self.model = runner, costs, model
-        self.host, self.backoff_s = host or HostLoad(), backoff_s
-        self.held_until = 0.0  # the host was busy: nothing is timed before this
+        self.host, self.backoff_s, self.lasting_s = host or HostLoad(), backoff_s, lasting_s
+        self.held_until = 0.0  # the host was busy: nothing is timed before this ...
+        self.busy_since: float | None = None  # ... and it has been, at each check, since
         self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
@@ -87,28 +91,36 @@ class Recalibrator:
 
     async def step(self) -> bool:
         """One check: re-measure if the table is stale; True when it was replaced."""
-        if not self._idle():
+        stale = self.costs.stale()
+        if not self._idle(lasting=stale):
             return False
         try:
-            if not self.costs.stale():
+            if not stale:
                 if time.monotonic() < self.next_probe or not await self._probe_off():
                     return False
-            return await self.remeasure()
+            return await self.remeasure(lasting=stale)
         except ForwardStopped:  # a call came during a cell: it went first
             return False
 
-    def _idle(self) -> bool:
+    def _idle(self, lasting: bool = False) -> bool:
         """No call for idle_s, no other process kept the host's CPUs busy since the last
         check (the other service's traffic on a shared host, another tenant), and none did
         within a random back-off before: two idle services on one host that both start to
         time see each other as load and both stop; held for different times, one goes
-        first and the other finds it busy, until it is done."""
+        first and the other finds it busy, until it is done. `lasting` (a stale table): a
+        host busy at every check for lasting_s counts as idle (its load is its condition:
+        under busy loops that stay, a table missing the row counts traffic ran was never
+        re-measured)."""
         if self.model.idle_for() < self.idle_s:
             return False
         now = time.monotonic()
         if self.host.busy():
+            self.busy_since = now if self.busy_since is None else self.busy_since
+            if lasting and now - self.busy_since >= self.lasting_s:
+                return True
             self.held_until = now + random.uniform(0.5, 1.0) * self.backoff_s
             return False
+        self.busy_since = None
         return now >= self.held_until
 
     async def _probe_off(self) -> bool:
@@ -131,8 +143,9 @@ class Recalibrator:
         self.next_probe = time.monotonic() + (0.0 if self.off == 1 else self.probe_s)
         return self.off >= 2
 
-    async def remeasure(self) -> bool:
-        """Every cell of the table (and the row counts traffic added), while idle; False
+    async def remeasure(self, lasting: bool = False) -> bool:
+        """Every cell of the table (and the row counts traffic added), while idle (or, for
+        a stale table, under a load that lasts: `_idle`); False
         when a call came between two cells or nothing moved, ForwardStopped when one came
         during a cell (either way it is tried again at the next idle spell)."""
         rows = merged_rows(self.costs.rows, self.costs.rows_seen)
@@ -143,7 +156,7 @@ class Recalibrator:
             for r in rows:
                 line = []
                 for w in widths:
-                    if not self._idle():
+                    if not self._idle(lasting):
                         return False
                     line.append(await self.model.run(session.cell, r, w, traffic=False))
                 table.append(line)

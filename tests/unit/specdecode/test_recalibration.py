@@ -222,6 +222,27 @@ def test_no_probe_or_remeasure_while_other_work_holds_the_host(runner):
     assert asyncio.run(steps(2)) == [False, True] and busy.version == 1
 
 
+def test_a_stale_table_is_remeasured_under_a_load_that_lasts(runner):
+    """Traffic ran row counts the table lacks (stale) while other work keeps the host busy
+    at every check: nothing is timed until the load has lasted lasting_s, then the table is
+    re-measured under it (the load is the host's condition). A table that is not stale is
+    never probed under load, however long it lasts."""
+    stale = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
+    stale.observe(3, 2, 1.0)  # traffic ran 3 rows
+    recalibrator = Recalibrator(runner, stale, idle_access(), idle_s=1.0, probe_s=0.0,
+                                host=Host(busy=True), backoff_s=0.0, lasting_s=0.3)
+
+    async def steps(n: int) -> list[bool]:
+        return [await recalibrator.step() for _ in range(n)]
+    assert asyncio.run(steps(2)) == [False, False] and stale.version == 0
+    time.sleep(0.35)
+    assert asyncio.run(steps(1)) == [True] and stale.rows == [1, 3] and stale.version == 1
+    right = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 50.0)
+    probing = Recalibrator(runner, right, idle_access(), idle_s=1.0, probe_s=0.0,
+                           host=Host(busy=True), backoff_s=0.0, lasting_s=0.0)
+    assert asyncio.run(probing.step()) is False and probing.off == 0 and right.version == 0
+
+
 def test_a_busy_host_holds_the_timing_back_for_a_while(runner):
     """Busy once, then quiet: nothing is timed until the back-off (half to all of backoff_s)
     has passed: two services that found each other's timing as load do not start again
