@@ -26,8 +26,12 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def stack():
     # Fixed k: with the draft as costly as the target, adaptive speculation would choose none.
+    # A proposer call may take a minute: sized from the step's work (1 s and up), a call
+    # preempted by busy loops beside the suite timed out, the replica went down and a
+    # request drafted nothing (the logprobs test asserts the speculative path).
     config = StackConfig(device="cpu", scoring="multi-query", draft_model="default", port=0,
-                         speculation="fixed", http_port=free_port())
+                         speculation="fixed", http_port=free_port(),
+                         orchestrator_args=["--proposer-timeout", "60"])
     with LocalStack(config) as s:
         yield s
 
