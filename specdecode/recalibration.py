@@ -46,7 +46,7 @@ PROBE_CONTEXT = 8  # cached tokens of a probe's row (it refills them each time)
 BACKOFF_S = 10.0  # the host found busy: nothing is timed for a random half to whole of this
 # ... unless it stayed busy this long and live forwards say the table is stale: a load that
 # lasts is the host's condition (probes still wait for an idle host)
-LASTING_S = 30.0
+LASTING_S = 10.0
 
 
 def merged_rows(table: list[int], seen: set[int]) -> list[int]:
