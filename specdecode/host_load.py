@@ -31,13 +31,20 @@ def busy_seconds(cpus: set[int], stat: str = PROC_STAT) -> float | None:
     return jiffies / os.sysconf("SC_CLK_TCK")
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (all of them where the OS cannot say: not Linux)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
 class HostLoad:
     """others_busy(): the share of the allowed CPUs that other processes kept busy since the
     previous call (0 where it cannot be known)."""
 
     def __init__(self, cpus: set[int] | None = None,
                  read: Callable[[set[int]], float | None] = busy_seconds):
-        self.cpus = set(cpus or os.sched_getaffinity(0))
+        self.cpus = set(cpus or allowed_cpus())
         self.read = read
         self._mark = self._now()
 

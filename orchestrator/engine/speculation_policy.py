@@ -45,9 +45,9 @@ import threading
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.policy_plan import Candidate, Plan, horizon, rate, steady_rate
 from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
-                                                  PriorWeight, draft_seconds, expected_tokens, factor_of,
-                                                  length_pmf, point_pmf, trusted_limits,
-                                                  verify_extra, verify_width)
+                                                  PriorWeight, draft_seconds, expected_tokens,
+                                                  factor_of, length_pmf, point_pmf,
+                                                  trusted_limits, verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
 
 __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]

@@ -5,6 +5,7 @@ a tiny random model; thresholds are far from timing noise (a table 50x off)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -273,3 +274,10 @@ def test_host_load_counts_other_processes_only():
     sum(i * i for i in range(200_000))
     assert load.others_busy() < 0.05 and not load.busy()
     assert HostLoad({0}, read=lambda cpus: None).others_busy() == 0.0  # not Linux: unknown
+
+
+def test_host_load_reads_every_cpu_where_affinity_is_unknown(monkeypatch):
+    """Not Linux (no sched_getaffinity): HostLoad counts every CPU rather than failing, so
+    a service still starts its recalibrator there."""
+    monkeypatch.delattr("os.sched_getaffinity")
+    assert HostLoad(read=lambda cpus: None).cpus == set(range(os.cpu_count() or 1))
