@@ -30,4 +30,4 @@ def build_engine(proposer: SpeculativeProposer, scorer: SpeculativeScorer, *, k:
     if adaptive and not policy.adaptive:
         log.warning("the services report no forward costs: speculating a fixed k=%d", k)
     return SpecDecodeEngine(proposer, scorer, num_speculative_tokens=k, policy=policy,
-                            lookahead=ahead, **options)
+                            lookahead=ahead, share_cores=share_cores, **options)

@@ -84,7 +84,7 @@ class SpecDecodeEngine:
                  policy: SpeculationPolicy | None = None,
                  max_num_batched_tokens: int | None = None, overlap: bool = False,
                  grammars: Grammars | None = None,
-                 lookahead: LookaheadPricing | None = None):
+                 lookahead: LookaheadPricing | None = None, share_cores: bool = True):
         """policy: picks each sequence's k per step (default: fixed k, every sequence
         speculating num_speculative_tokens or its request's smaller value).
         grammars: the engine's own grammar states (structured output), for jump-forward:
@@ -94,7 +94,10 @@ class SpecDecodeEngine:
         lookahead: draft ahead where it pays (orchestrator.engine.lookahead; None = off:
         lockstep), as the policy prices it (the policy holds the same object).
         max_num_batched_tokens: tokens one step may compute (None = no limit); longer
-        prompts are prefilled in chunks across steps (see scheduler.plan_step)."""
+        prompts are prefilled in chunks across steps (see scheduler.plan_step).
+        share_cores: the proposer's and the scorer's forwards compete for the same cores
+        (specdecode.model_info.share_cores): a prompt chunk's draft call then runs before
+        the scoring call, not beside it."""
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
         if trace_every < 0:
@@ -110,6 +113,7 @@ class SpecDecodeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
         self.grammars = grammars
+        self.share_cores = share_cores
         self._warmer: ThreadPoolExecutor | None = None  # chunks' draft calls (_warm_draft)
         # One proposer call at a time: the step's, the overlap's and the lookahead's threads
         # share it (an in-process proposer is not thread-safe; a service serialises anyway).
@@ -310,8 +314,9 @@ class SpecDecodeEngine:
     def _propose(self, batch: Batch, req: ExecuteModelRequest
                  ) -> tuple[SpeculativeProposals, Future | None]:
         """The step's proposals, and the background call that warms a draft model's KV
-        state for the prompt chunks when nobody speculates (a step of its own would cost
-        decoders a proposer round trip more: 3x a decode step on small models)."""
+        state for the prompt chunks when nobody speculates (None where it ran already: see
+        _warm_draft; a step of its own would cost decoders a proposer round trip more: 3x a
+        decode step on small models)."""
         k, chunks = req.num_lookahead_slots, batch.chunks
         if batch.planned is None and k == 0:
             warming = self._warm_draft(req, chunks) if chunks and self.k else None
@@ -331,10 +336,13 @@ class SpecDecodeEngine:
                 self.pipeline.prefetch(rest)
         return proposals, warming
 
-    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future:
-        """Send the prompt chunks (rows `chunks` of req) to the proposer in the background
-        (k = 0: a draft model computes their KV state), in this thread's context (deadline,
-        trace)."""
+    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future | None:
+        """Send the prompt chunks (rows `chunks` of req) to the proposer (k = 0: a draft
+        model computes their KV state): in the background, in this thread's context
+        (deadline, trace), where the services have cores of their own; else now (None).
+        Two forwards on the same cores slow each other far more than running one after
+        the other costs: on 2 shared cores a 16-token chunk's step took ~80 ms beside the
+        draft's, ~12 ms after it (the long-prompt join, tests/integration)."""
         warm = ExecuteModelRequest([req.seq_group_metadata_list[i] for i in chunks])
 
         def call() -> None:
@@ -342,6 +350,9 @@ class SpecDecodeEngine:
                                                   "specdecode.k": 0}):
                 self.proposer.get_proposals(warm)
 
+        if self.share_cores:
+            call()
+            return None
         if self._warmer is None:
             self._warmer = ThreadPoolExecutor(1, thread_name_prefix="draft-chunks")
         return self._warmer.submit(contextvars.copy_context().run, call)

@@ -3,6 +3,9 @@ budget, so streams already running keep their pace, and every output stays the t
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -74,3 +77,42 @@ def test_chunked_output_equals_target_in_process(long_models, scoring):
     assert done["a"].output_token_ids == reference_greedy(target, short, 20)
     assert done["b"].output_token_ids == reference_greedy(target, long, 8)
     assert engine.steps > 1500 // 128  # the long prompt really went in chunks
+
+
+@pytest.mark.parametrize("share_cores", [True, False])
+def test_a_chunks_draft_call_runs_beside_scoring_only_on_cores_of_its_own(long_models,
+                                                                           share_cores):
+    """With nobody speculating, a prompt chunk still warms the draft's KV state: beside the
+    step's scoring call (a thread) where the services have cores of their own, before it
+    where they share them (two forwards on the same cores slow each other ~7x). Fails if
+    the chunk's draft call runs beside scoring on shared cores, or never runs at all."""
+    target, draft, _ = long_models
+    engine = make_engine(target, draft, "batch-expansion", 3)
+    engine.max_num_batched_tokens, engine.share_cores = 128, share_cores
+    calls = []  # (role, thread name, start, end)
+
+    def recorded(role, fn):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                calls.append((role, threading.current_thread().name, start,
+                              time.perf_counter()))
+        return call
+
+    engine.proposer.get_proposals = recorded("proposer", engine.proposer.get_proposals)
+    engine.scorer.score_proposals = recorded("scorer", engine.scorer.score_proposals)
+    long = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    done = engine.generate([greedy_request("a", [5, 17, 99, 3], 30, num_speculative_tokens=0),
+                            greedy_request("b", long, 4, num_speculative_tokens=0)])
+    assert done["b"].output_token_ids == reference_greedy(target, long, 4)
+    drafts = [c for c in calls if c[0] == "proposer"]
+    assert len(drafts) >= 600 // 128  # every chunk warmed the draft
+    threads = {name for _, name, _, _ in drafts}
+    if share_cores:
+        assert threads == {threading.current_thread().name}
+        scored = [c for c in calls if c[0] == "scorer"]
+        assert not any(d[2] < s[3] and s[2] < d[3] for d in drafts for s in scored)
+    else:
+        assert all(name.startswith("draft-chunks") for name in threads)
