@@ -314,9 +314,8 @@ class SpecDecodeEngine:
     def _propose(self, batch: Batch, req: ExecuteModelRequest
                  ) -> tuple[SpeculativeProposals, Future | None]:
         """The step's proposals, and the background call that warms a draft model's KV
-        state for the prompt chunks when nobody speculates (None where it ran already: see
-        _warm_draft; a step of its own would cost decoders a proposer round trip more: 3x a
-        decode step on small models)."""
+        state for the prompt chunks when nobody speculates (a step of its own would cost
+        decoders a proposer round trip more: 3x a decode step on small models)."""
         k, chunks = req.num_lookahead_slots, batch.chunks
         if batch.planned is None and k == 0:
             warming = self._warm_draft(req, chunks) if chunks and self.k else None
@@ -336,10 +335,11 @@ class SpecDecodeEngine:
                 self.pipeline.prefetch(rest)
         return proposals, warming
 
-    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future | None:
+    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future:
         """Send the prompt chunks (rows `chunks` of req) to the proposer (k = 0: a draft
         model computes their KV state): in the background, in this thread's context
-        (deadline, trace), where the services have cores of their own; else now (None).
+        (deadline, trace), where the services have cores of their own; else now (the
+        Future returned is done).
         Two forwards on the same cores slow each other far more than running one after
         the other costs: on 2 shared cores a 16-token chunk's step took ~80 ms beside the
         draft's, ~12 ms after it (the long-prompt join, tests/integration)."""
@@ -351,8 +351,9 @@ class SpecDecodeEngine:
                 self.proposer.get_proposals(warm)
 
         if self.share_cores:
-            call()
-            return None
+            done: Future = Future()
+            done.set_result(call())
+            return done
         if self._warmer is None:
             self._warmer = ThreadPoolExecutor(1, thread_name_prefix="draft-chunks")
         return self._warmer.submit(contextvars.copy_context().run, call)
