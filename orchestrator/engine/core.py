@@ -294,8 +294,9 @@ class SpecDecodeEngine:
                 not self.policy.adaptive and self.ahead_pricing.unpriced())):
             return
         lens = proposals.proposal_lens.tolist()
+        fit = LookaheadPricing.fit(plan)
         self.lookahead.launch([
-            (seq, sg, proposals.proposal_token_ids[i, :lens[i]].tolist(), k)
+            (seq, sg, proposals.proposal_token_ids[i, :lens[i]].tolist(), min(k, fit))
             for i, ((seq, chunk), sg, k) in enumerate(zip(
                 batch.rows, req.seq_group_metadata_list, plan.ks))
             # not a row this step may finish (its next proposal would go unused)
