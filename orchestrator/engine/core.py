@@ -294,7 +294,7 @@ class SpecDecodeEngine:
                 not self.policy.adaptive and self.ahead_pricing.unpriced())):
             return
         lens = proposals.proposal_lens.tolist()
-        fit = LookaheadPricing.fit(plan)
+        fit = LookaheadPricing.fit(plan, self.policy.draft_token_seconds(len(plan.ks)))
         self.lookahead.launch([
             (seq, sg, proposals.proposal_token_ids[i, :lens[i]].tolist(), min(k, fit))
             for i, ((seq, chunk), sg, k) in enumerate(zip(

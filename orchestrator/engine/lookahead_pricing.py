@@ -69,15 +69,15 @@ class LookaheadPricing:
             plan.seconds, plan.ahead = ahead, True
 
     @staticmethod
-    def fit(plan) -> int:
+    def fit(plan, per_token: float) -> int:
         """The most proposal tokens a lookahead should draft after its guess: as many as the
         verify it runs beside lasts (PEARL's post-verify: a longer one makes a hit's step
         wait for it; traced on two hosts, 0.45-0.58 s on 5 of 14 steps at k = 7-8 beside a
-        0.34 s verify), at least 1; unbounded where the plan was not priced."""
-        K = max(plan.ks, default=0)
-        if plan.verify_seconds <= 0.0 or plan.draft_seconds <= 0.0 or K == 0:
+        0.34 s verify), at least 1; unbounded where the plan was not priced. per_token: one
+        draft forward's seconds at the step's rows (not the plan's draft seconds over k:
+        priced with early stops, those read 0.2 s for k = 7 where the draft went on)."""
+        if plan.verify_seconds <= 0.0 or per_token <= 0.0:
             return MAX_FIT
-        per_token = plan.draft_seconds / K
         return max(1, int(plan.verify_seconds / per_token) - 1)
 
     def unpriced(self) -> bool:

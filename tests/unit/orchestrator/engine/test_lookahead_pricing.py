@@ -60,8 +60,8 @@ def test_a_lookahead_drafts_no_longer_than_the_verify_it_runs_beside():
     """Two hosts, bf16: a 0.34 s verify beside a draft of 0.1 s a token: after its guess a
     lookahead drafts 2 tokens (3 forwards fit), whatever the step's k; a hit's step then
     waits for nothing. Unpriced plans (fixed speculation) are not bounded."""
-    plan = Plan([8], "multi-query", 6.0, 1.2, draft_seconds=0.8, verify_seconds=0.34)
-    assert LookaheadPricing.fit(plan) == 2
+    plan = Plan([8], "multi-query", 6.0, 1.2, draft_seconds=0.3, verify_seconds=0.34)
+    assert LookaheadPricing.fit(plan, 0.1) == 2  # not the plan's 0.3 s over 8 (early stops)
     plan.verify_seconds = 0.05  # a verify shorter than one draft token: the guess and one
-    assert LookaheadPricing.fit(plan) == 1
-    assert LookaheadPricing.fit(Plan([8], "", 6.0, 1.2)) > 8
+    assert LookaheadPricing.fit(plan, 0.1) == 1
+    assert LookaheadPricing.fit(Plan([8], "", 6.0, 1.2), 0.1) > 8
