@@ -345,12 +345,11 @@ class SpecDecodeEngine:
 
     def _to_warm(self, batch: Batch) -> list[int]:
         """Rows whose prompt the draft computes beside the scorer's: chunks, and where the
-        services share no cores (drafting ahead knows) whole prompts too -- on two hosts the
-        draft's prefill then costs nothing, where it followed the target's (a 97-token
-        prompt: 1.95 s, then the draft's catch-up 0.68 s, 41% of a 32-token request)."""
-        apart = self.ahead_pricing is not None and self.ahead_pricing.contention == 0.0
+        services share no cores whole prompts too -- on two hosts the draft's prefill then
+        costs nothing, where it followed the target's (a 97-token prompt: 1.95 s, then the
+        draft's catch-up 0.68 s, 41% of a 32-token request)."""
         return [i for i, (seq, chunk) in enumerate(batch.rows)
-                if chunk is not None or apart and not seq.decoding]
+                if chunk is not None or not self.share_cores and not seq.decoding]
 
     def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future:
         """Send the prompt chunks (rows `chunks` of req) to the proposer (k = 0: a draft
