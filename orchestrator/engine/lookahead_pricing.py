@@ -33,6 +33,7 @@ from dataclasses import dataclass
 AHEAD_GAIN = 1.01  # drafting ahead must beat lockstep by 1% (noise in the costs)
 DECAY = 0.95  # weight of earlier evidence of beta, per settled lookahead row
 PRIOR_WEIGHT = 4.0  # pseudo-rows of the prior (alpha) in beta
+MAX_FIT = 1 << 16  # no bound on a lookahead's length (unpriced plans)
 
 
 @dataclass
@@ -60,11 +61,24 @@ class LookaheadPricing:
                 accepted *= alpha ** n
                 hit *= alpha ** n * self.beta(alpha)
         V = max(plan.seconds - D - step_s, 0.0)
+        plan.verify_seconds = V
         ahead_d = D * (K + 1) / K
         ahead = (plan.seconds - D + accepted * max(0.0, ahead_d - V) + (1.0 - hit) * D
                  + self.contention * min(ahead_d, V))
         if self.mode == "on" or ahead * AHEAD_GAIN < plan.seconds:
             plan.seconds, plan.ahead = ahead, True
+
+    @staticmethod
+    def fit(plan, per_token: float) -> int:
+        """The most proposal tokens a lookahead should draft after its guess: as many as the
+        verify it runs beside lasts (PEARL's post-verify: a longer one makes a hit's step
+        wait for it; traced on two hosts, 0.45-0.58 s on 5 of 14 steps at k = 7-8 beside a
+        0.34 s verify), at least 1; unbounded where the plan was not priced. per_token: one
+        draft forward's seconds at the step's rows (not the plan's draft seconds over k:
+        priced with early stops, those read 0.2 s for k = 7 where the draft went on)."""
+        if plan.verify_seconds <= 0.0 or per_token <= 0.0:
+            return MAX_FIT
+        return max(1, int(plan.verify_seconds / per_token) - 1)
 
     def unpriced(self) -> bool:
         """Whether to draft ahead where the policy does not price (fixed speculation)."""

@@ -34,6 +34,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)  # [B] why each k (REASONS)
     draft_seconds: float = 0.0  # the draft's part of `seconds` in lockstep (call included)
     ahead: bool = False  # priced drafting ahead (orchestrator.engine.lookahead_pricing)
+    verify_seconds: float = 0.0  # the scoring call's predicted seconds (0: not priced)
 
 
 def rate(plan: Plan) -> float:

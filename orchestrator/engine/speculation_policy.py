@@ -468,6 +468,12 @@ class SpeculationPolicy:
         else:
             self.draft_factor.add(factor_of(measured, steady))
 
+    def draft_token_seconds(self, rows: int) -> float:
+        """One draft forward of `rows` rows, as learned (0: no draft table)."""
+        if self.draft_costs is None:
+            return 0.0
+        return self.draft_costs(rows, 1) * self.draft_factor.value
+
     def forget(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             est = self.seqs.pop(s, None)

@@ -219,3 +219,26 @@ def test_a_full_draft_pool_drafts_nothing_ahead_rather_than_evict(draft_model):
     assert call(list(range(10)), ahead=True) == 3  # fits: drafted, nobody evicted
     assert runner.pool.get(1) is not None and runner.pool.stats.evictions == 0
     assert call(list(range(40)), ahead=False) == 3 and runner.pool.stats.evictions == 1
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_on_two_hosts_the_draft_computes_the_prompt_beside_the_target(target_model, apart):
+    """Services on different hosts (no cores shared): the prompt step
+    sends the whole prompts to the proposer beside the scoring call, so after it the draft
+    holds each prompt and its first speculative step has nothing to catch up; the output
+    stays the target's. Sharing cores, the prompt is not sent (the draft would contend with
+    the target's prefill): it reads the prompt at its first speculative step."""
+    engine = build_inprocess_engine(target_model, near_copy(target_model, 0.05), "multi-query",
+                                    2, async_drafting="on")
+    engine.share_cores = not apart
+    engine.ahead_pricing.contention = 0.0 if apart else 1.0
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(greedy_request(str(i), p, 24))
+    seqs = dict(engine.running)
+    engine.step()  # every prompt computed
+    assert [s.drafted for s in seqs.values()] == (
+        [len(p) for p in PROMPTS] if apart else [0] * len(PROMPTS))
+    while engine.has_unfinished():
+        engine.step()
+    for i, p in enumerate(PROMPTS):
+        assert seqs[str(i)].output_token_ids == reference_greedy(target_model, p, 24), i

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
-from orchestrator.engine.policy_plan import rate
+from orchestrator.engine.policy_plan import Plan, rate
 from orchestrator.engine.speculation_policy import Candidate, SpeculationPolicy
 from specdecode.cost_model import ForwardCosts
 
@@ -54,3 +54,14 @@ def test_the_guess_rate_is_learned_from_the_lookaheads():
     for _ in range(50):
         pricing.observe(full=2, hits=1)
     assert pricing.beta(0.9) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_lookahead_drafts_no_longer_than_the_verify_it_runs_beside():
+    """Two hosts, bf16: a 0.34 s verify beside a draft of 0.1 s a token: after its guess a
+    lookahead drafts 2 tokens (3 forwards fit), whatever the step's k; a hit's step then
+    waits for nothing. Unpriced plans (fixed speculation) are not bounded."""
+    plan = Plan([8], "multi-query", 6.0, 1.2, draft_seconds=0.3, verify_seconds=0.34)
+    assert LookaheadPricing.fit(plan, 0.1) == 2  # not the plan's 0.3 s over 8 (early stops)
+    plan.verify_seconds = 0.05  # a verify shorter than one draft token: the guess and one
+    assert LookaheadPricing.fit(plan, 0.1) == 1
+    assert LookaheadPricing.fit(Plan([8], "", 6.0, 1.2), 0.1) > 8
