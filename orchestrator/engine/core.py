@@ -221,9 +221,14 @@ class SpecDecodeEngine:
         if (ran or not k) and not prefill:
             # Proposals drafted ahead cost the step no draft time: it teaches no draft cost.
             learn = dataclasses.replace(plan, ks=[0] * len(plan.ks)) if proposals.ahead else plan
+            # A lookahead drafted beside the scoring call: the proposer's busy seconds hold
+            # it too, so they say nothing of the step's own proposer call (its RPC, the call
+            # less them, read negative on two hosts).
+            ahead = stats.lookahead_hits + stats.lookahead_misses
             self.policy.observe_step(learn, proposals.proposal_lens.tolist(), stats.propose_s,
                                      stats.score_s, stats.total_s - stats.lookahead_wait_s,
-                                     {role: s.busy_s for role, s in stats.services.items()})
+                                     {role: s.busy_s for role, s in stats.services.items()
+                                      if role != "proposer" or not ahead})
         self.last_step = stats
         return outputs
 

@@ -31,11 +31,11 @@ def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> Reques
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), **kw)
 
 
-def save_self_drafting_pair(root, num_layers: int, hidden_size: int) -> tuple[str, str]:
+def self_drafting_pair(num_layers: int, hidden_size: int):
     """A tiny target without attention whose layers after the first add nothing (their MLP
-    outputs zeroed) and its first layer alone as the draft, saved under `root`: the draft
-    computes the target's own function, so every proposal is accepted. (target, draft)
-    directories."""
+    outputs zeroed) and its first layer alone as the draft: the draft computes the target's
+    own function at a fraction of its cost, so every proposal is accepted and speculating
+    pays. (target, draft)"""
     spec = dict(seed=1, attention=False, hidden_size=hidden_size)
     target = build_tiny_model(TinyModelSpec(**spec, num_layers=num_layers))
     draft = build_tiny_model(TinyModelSpec(**spec, num_layers=1))
@@ -43,6 +43,12 @@ def save_self_drafting_pair(root, num_layers: int, hidden_size: int) -> tuple[st
         for layer in target.model.layers[1:]:
             layer.mlp.down_proj.weight.zero_()
     draft.load_state_dict(target.state_dict(), strict=False)  # layer 0, norms, embeddings, head
+    return target, draft
+
+
+def save_self_drafting_pair(root, num_layers: int, hidden_size: int) -> tuple[str, str]:
+    """self_drafting_pair saved under `root`: (target, draft) directories."""
+    target, draft = self_drafting_pair(num_layers, hidden_size)
     target.save_pretrained(root / "target")
     draft.save_pretrained(root / "draft")
     return str(root / "target"), str(root / "draft")

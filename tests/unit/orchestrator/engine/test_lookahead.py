@@ -6,6 +6,7 @@ tokens with lookahead on and off."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceDa
 from specdecode.sampling import truncated_probs
 from specdecode_stack.inprocess import build_inprocess_engine
 from tests.support.chi_square import chi_square_pvalue
-from tests.support.models import greedy_request
+from tests.support.models import greedy_request, self_drafting_pair
 from tests.support.references import reference_greedy
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8], [42, 42], [200, 100, 50, 25]]
@@ -242,3 +243,42 @@ def test_on_two_hosts_the_draft_computes_the_prompt_beside_the_target(target_mod
         engine.step()
     for i, p in enumerate(PROMPTS):
         assert seqs[str(i)].output_token_ids == reference_greedy(target_model, p, 24), i
+
+
+class ServiceClock:
+    """An in-process proposer that reports its busy seconds as a remote one does
+    (`service_seconds`, orchestrator.engine.service_stats)."""
+
+    def __init__(self, proposer):
+        self.proposer, self.service_seconds = proposer, 0.0
+
+    def get_proposals(self, req):
+        start = time.perf_counter()
+        try:
+            return self.proposer.get_proposals(req)
+        finally:
+            self.service_seconds += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.proposer, name)
+
+
+@pytest.mark.parametrize("async_drafting", ["on", "off"])
+def test_a_step_that_drafts_ahead_teaches_no_proposer_rpc(target_model, async_drafting):
+    """The proposer's busy seconds in a step with a lookahead include the lookahead's
+    drafting, so its call less them reads negative (it did on two hosts: the learned RPC
+    sat at its clamp, 0). Such steps teach no RPC (fails with them taught: negative
+    samples); lockstep steps still do. The draft is the target's own function at an eighth
+    of its layers, so the policy speculates on any machine."""
+    target, draft = self_drafting_pair(8, 512)
+    engine = build_inprocess_engine(target, draft, "multi-query", 3, adaptive=True,
+                                    async_drafting=async_drafting)
+    engine.proposer = ServiceClock(engine.proposer)
+    samples = []
+    learned = engine.policy.propose_rpc_s
+    add = learned.add
+    learned.add = lambda value: (samples.append(value), add(value))
+    engine.generate([greedy_request(str(i), p, 16) for i, p in enumerate(PROMPTS[:2])])
+    assert all(value >= 0.0 for value in samples), samples
+    if async_drafting == "off":
+        assert samples
