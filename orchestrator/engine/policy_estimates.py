@@ -173,11 +173,10 @@ class Acceptance:
         evidence = self.positions + weight + 1.0
         return min(mean + optimism * math.sqrt(mean * (1.0 - mean) / evidence), 1.0)
 
-    def trusted_k(self, lent: float = 0.0) -> int:
+    def trusted_k(self) -> int:
         """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)
-        accepted tokens and the `lent` ones of the prior (PriorWeight.lent), at least
-        TRUST_START."""
-        return max(TRUST_START, int(TRUST_GROWTH * (self.accepted + lent)))
+        accepted tokens, at least TRUST_START."""
+        return max(TRUST_START, int(TRUST_GROWTH * self.accepted))
 
     def proposal_rate(self, weight: float = 1.0) -> float:
         return (self.proposed + weight) / (self.asked + weight)
@@ -228,13 +227,6 @@ class PriorWeight:
     def add(self, est: Acceptance) -> None:
         if est.tried >= PRIOR_TRIED:
             self.ended.append((est.accepted / est.tried, est.tried))
-
-    def lent(self, prior: float) -> float:
-        """Accepted tokens a fresh sequence is trusted with before its own: the prior's
-        weight times its acceptance, once ended sequences measured the weight (none before).
-        Where sequences accept alike (code: 0.9, n0 = 16) a fresh one speculates at the best
-        k from its first step; where they differ (n0 = 2) it starts at about 4."""
-        return self.weight() * prior if len(self.ended) >= PRIOR_SEQS else 0.0
 
     def weight(self) -> float:
         if len(self.ended) < PRIOR_SEQS:

@@ -160,12 +160,7 @@ class SpeculationPolicy:
         widest = self.scorer_costs.max_width - 1  # price only measured verify widths
         hard = [max(0, min(cap, c.remaining - 1, widest)) for cap, c in zip(caps, candidates)]
         risk = self._risks(max(hard, default=0))
-        # Trust the prior lends a sequence bounds what pays at the posterior means, not what
-        # optimism would explore (a wide exploration at a thin prior cost 0.53x plain).
-        lent = self.prior_weight.lent(prior)
         trusted = [trusted_limits(a.trusted_k(), h, risk) for a, h in zip(est, hard)]
-        trusted_lent = (trusted if not lent else
-                        [trusted_limits(a.trusted_k(lent), h, risk) for a, h in zip(est, hard)])
         alphas = [a.alpha(prior, weight) for a in est]
         rates = [a.proposal_rate() if not self.draft_model else 1.0 for a in est]
         cont_prior = self.all.continuation(1.0, 0.0)
@@ -174,7 +169,7 @@ class SpeculationPolicy:
         def evaluate(ks, al=alphas, rs=rates):
             return self._evaluate(ks, al, rs, conts, candidates)
         plain = evaluate([0] * len(caps))
-        best_spec = self._search(trusted_lent, alphas, rates, evaluate)
+        best_spec = self._search(trusted, alphas, rates, evaluate)
         best = plain
         if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
             best = best_spec

@@ -372,29 +372,3 @@ def test_one_rejected_exploration_does_not_stop_a_sequence_like_the_others():
         return p.plan([Candidate(9, 8, behind=2, remaining=24)]).ks
     assert after_rejection(None)[0] > 0
     assert after_rejection(PRIOR_WEIGHT) == [0]
-
-
-def two_host_tables() -> tuple[ForwardCosts, ForwardCosts]:
-    """As measured on two emulated one-core hosts (bench/policy_trace.py --two-hosts, EPYC,
-    bf16): the 1.5B's verify 0.33-0.35 s at every width to 9, the 0.5B's draft ~0.10 s a
-    token."""
-    return (ForwardCosts([1], WIDTHS9, [[0.333 + 0.002 * (w - 1) for w in WIDTHS9]]),
-            ForwardCosts([1], WIDTHS9, [[0.100 + 0.0015 * (w - 1) for w in WIDTHS9]]))
-
-
-@pytest.mark.parametrize("history, first_k", [
-    ([], 1),  # nothing ended: its own trust (TRUST_START) and the start-up prior
-    ([[8, 8, 7] * 3] * 4, 8),  # code-like, alike (n0 = 16): the best k at once
-    ([[8, 8, 7] * 3, [1, 0, 2] * 3, [8, 6, 8] * 3, [0, 2, 1] * 3], 4),  # unlike (n0 = 2)
-    ([[2, 1, 3] * 3] * 4, 2),  # alike but low: lent trust, yet k = 2 is what pays
-])
-def test_a_fresh_sequence_starts_at_the_k_the_prior_lends_it_trust_for(history, first_k):
-    """A fresh sequence may speculate as far as the prior's weight times its acceptance
-    lends trust (PriorWeight.lent), on top of its own: traced on two hosts, a 32-token code
-    request ramped k = 1, 3, 7, 8 where fixed k = 8 ran 1.11x faster. Without the lent trust
-    (the mutant) the code-like case starts at 2 and the unlike one at 2."""
-    scorer, draft = two_host_tables()
-    p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft)
-    for seq, accepted_of_8 in enumerate(history, 1):
-        ended(p, seq, accepted_of_8)
-    assert p.plan([Candidate(99, 8, behind=2, remaining=31)]).ks == [first_k]
