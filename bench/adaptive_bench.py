@@ -55,9 +55,9 @@ from rich.table import Table
 
 from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
-from specdecode.model_packages import fetch
-from specdecode.models import load_model, load_tokenizer, resolve_model_dir
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.model_packages import fetch
+from specdecode.models.checkpoints import load_model, load_tokenizer, resolve_model_dir
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 

@@ -126,7 +126,7 @@ def one_core_hf(rec: Recorder, target_dir, draft_dir, dtype, prompts, max_tokens
     os.sched_setaffinity(0, {HF_CORE})
     torch.set_num_threads(1)
     try:
-        from specdecode.models import load_model
+        from specdecode.models.checkpoints import load_model
         target = load_model(target_dir, CPU, dtype)
         rec.add("one core", "HF target-only", [hf_generate(target, p, max_tokens, reference=True)
                                                for p in prompts])

@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specdecode.attention import AttnBatch, SdpaBackend  # noqa: E402
-from specdecode.static_attention import (FlexBackend, PaddedSdpaBackend, StaticRows,  # noqa: E402
-                                         causal_new_mask)
+from specdecode.executor.attention import AttnBatch, SdpaBackend  # noqa: E402
+from specdecode.executor.static_attention import (FlexBackend, PaddedSdpaBackend, StaticRows,  # noqa: E402
+                                                  causal_new_mask)
 
 SHAPES = {  # name: (heads, kv heads, head dim, dtype)
     "smollm2-fp32": (9, 3, 64, torch.float32),

@@ -48,8 +48,8 @@ from rich.table import Table
 
 from specdecode.api.client import SpecDecodeClient
 from proposer_svc.pruned_head import prune_lm_head
-from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.models import load_model
+from specdecode.executor.model_runner import ModelRunner, RunnerRow
+from specdecode.models.checkpoints import load_model
 from specdecode_stack.local import LocalStack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package

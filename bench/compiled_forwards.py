@@ -6,7 +6,7 @@ recompilations (docs/benchmarks.md, *Compiled forwards*).
     python bench/compiled_forwards.py --models tiny:float32 --max-tokens 4 --repeats 2   # CI size
 
 Models: `smollm2` (the default SmolLM2-135M), `qwen1.5b` (the real Qwen2.5-Coder-1.5B,
-specdecode.model_packages.fetch), `tiny` (a random 2-layer Llama). Prompts are `--prompt-len`
+specdecode.models.model_packages.fetch), `tiny` (a random 2-layer Llama). Prompts are `--prompt-len`
 seeded random ids; eager and compiled calls alternate, so drift of the machine hits both.
 """
 
@@ -26,8 +26,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
-from specdecode.device import resolve_dtype  # noqa: E402
-from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
+from specdecode.executor.device import resolve_dtype  # noqa: E402
+from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -35,8 +35,8 @@ CPU = torch.device("cpu")
 def load(name: str, dtype: torch.dtype):
     if name == "tiny":
         return build_tiny_model(TinyModelSpec(seed=1)).to(dtype)
-    from specdecode.model_packages import fetch  # noqa: PLC0415 (downloads once)
-    from specdecode.models import load_model  # noqa: PLC0415
+    from specdecode.models.model_packages import fetch  # noqa: PLC0415 (downloads once)
+    from specdecode.models.checkpoints import load_model  # noqa: PLC0415
     return load_model(fetch("qwen2.5-coder-1.5b") if name == "qwen1.5b" else None, CPU, dtype)
 
 

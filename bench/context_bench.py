@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.api.client import SpecDecodeClient
-from specdecode.models import load_tokenizer
+from specdecode.models.checkpoints import load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package

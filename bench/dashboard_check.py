@@ -189,7 +189,7 @@ def up_args(pair: str, workdir: Path) -> tuple[list[str], object]:
     draft token is accepted; token ids, no tokenizer) or SmolLM2 with n-gram drafts."""
     if pair == "smollm2":
         return [], lambda text: text
-    from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+    from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
     model = build_tiny_model(TinyModelSpec(seed=1))
     for name in ("target", "draft"):
         model.save_pretrained(workdir / name)

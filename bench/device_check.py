@@ -7,7 +7,7 @@ through the compiled forwards and the eager ones. Exits 1 on any mismatch.
     python bench/device_check.py --device cpu --buckets 4 --configs draft:multi-query:4  # CI
 
 Each configuration runs twice: with compiled decode and verify forwards
-(specdecode/compiled_forward.py, at the batch buckets `--buckets`) and with --enforce-eager;
+(specdecode/executor/compiled_forward.py, at the batch buckets `--buckets`) and with --enforce-eager;
 both must equal the reference, computed in the same dtype by the model's own forward with
 full recomputation. The table says which path each run took and how many forwards went
 through a compiled graph.
@@ -24,10 +24,10 @@ from rich.table import Table
 
 from orchestrator.engine.request import Request
 from scorer_svc.methods import SCORING_METHODS
-from specdecode.device import resolve_device, resolve_dtype
+from specdecode.executor.device import resolve_device, resolve_dtype
 from specdecode.sequence import SamplingParams
 from specdecode_stack.inprocess import build_inprocess_engine
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42], [7, 8, 9, 7, 8, 9, 7, 8]]
 

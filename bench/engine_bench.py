@@ -28,15 +28,15 @@ from rich.table import Table
 from orchestrator.engine.request import Request
 from orchestrator.engine.core import SpecDecodeEngine
 from scorer_svc.methods import SCORING_METHODS, scorer_class
-from specdecode.device import resolve_device, resolve_dtype
+from specdecode.executor.device import resolve_device, resolve_dtype
 from specdecode.interfaces import SpeculativeProposals
-from specdecode.model_runner import ModelRunner
-from specdecode.models import load_model, load_tokenizer
+from specdecode.executor.model_runner import ModelRunner
+from specdecode.models.checkpoints import load_model, load_tokenizer
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 DEVICE = torch.device("cpu")
 CODE_PROMPTS = [

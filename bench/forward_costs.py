@@ -5,7 +5,7 @@ the services report in ModelInfo.forward_cost), and the draft forward with the p
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/forward_costs.py   # no bf16 units
 
 Prints, per dtype: the target's and draft's forward seconds at 1 row x 1, 2, 3, 5, 9 tokens
-(specdecode.cost_model.calibrate), the verify/decode ratio, and one draft
+(specdecode.executor.calibration.calibrate), the verify/decode ratio, and one draft
 decode step (1 row, warm 32-token cache, median of 15) with the whole LM head and with the
 head pruned to the --vocab most frequent ids (proposer_svc.pruned_head). JSON lands in
 bench/results/forward_costs.json.
@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from proposer_svc.pruned_head import prune_lm_head
-from specdecode.cost_model import calibrate
-from specdecode.model_packages import fetch
-from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.models import load_model, resolve_model_dir
+from specdecode.executor.calibration import calibrate
+from specdecode.models.model_packages import fetch
+from specdecode.executor.model_runner import ModelRunner, RunnerRow
+from specdecode.models.checkpoints import load_model, resolve_model_dir
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ a static cache, verify-vs-decode cost, and efficiency against Leviathan et al.'s
     python bench/gpu_bench.py --device cuda --enforce-eager # the same, eager forwards
     python bench/gpu_bench.py --small --device cpu          # CPU, small shapes (a dry run)
 
-Forwards are compiled (specdecode/compiled_forward.py: torch.compile, CUDA graphs through
+Forwards are compiled (specdecode/executor/compiled_forward.py: torch.compile, CUDA graphs through
 mode="reduce-overhead", flex attention over the KV pool) unless --enforce-eager; CI runs the
 same code on CPU (`tests/integration/test_compiled_forward.py`, and this script with
 --small under -m slow). No package beyond torch is needed on the device for the fast path.
@@ -43,8 +43,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.engine.request import Request  # noqa: E402
-from specdecode.device import resolve_device, resolve_dtype  # noqa: E402
-from specdecode.model_runner import ModelRunner, RunnerRow  # noqa: E402
+from specdecode.executor.device import resolve_device, resolve_dtype  # noqa: E402
+from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
 from specdecode_stack.inprocess import build_inprocess_engine  # noqa: E402
 

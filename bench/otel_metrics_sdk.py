@@ -1,6 +1,6 @@
 """Should /metrics and the OTLP push come from the OpenTelemetry metrics SDK (one MeterProvider
 with a Prometheus reader and an OTLP reader) instead of prometheus_client plus the bridge in
-specdecode/otel_setup.py? This measures what the switch would change, on one latency
+specdecode/telemetry/otel_setup.py? This measures what the switch would change, on one latency
 histogram recorded inside a sampled span (as the orchestrator's TTFT/ITL/E2E histograms are):
 
 - exemplars: does the scrape (OpenMetrics, what Prometheus asks for) carry the trace id that

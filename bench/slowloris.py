@@ -279,7 +279,7 @@ def model_args(model: str, root: Path) -> dict:
     (SmolLM2-135M, n-gram proposer)."""
     if model != "tiny":
         return {}
-    from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+    from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
     for name, spec in (("target", TinyModelSpec(seed=1)),
                        ("draft", TinyModelSpec(seed=2, num_layers=1))):
         build_tiny_model(spec).save_pretrained(root / name)

@@ -159,7 +159,7 @@ def main(model, duration, concurrency, write_timeout, restart_at, seed, out):
     root = Path(tempfile.mkdtemp(prefix="soak_"))
     kw = {}
     if model == "tiny":
-        from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+        from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
         for name, spec in (("target", TinyModelSpec(seed=1, max_position_embeddings=8192)),
                            ("draft", TinyModelSpec(seed=2, num_layers=1,
                                                    max_position_embeddings=8192))):

@@ -33,10 +33,10 @@ from rich.table import Table
 
 from orchestrator.engine.request import Request
 from specdecode.grammar.spec import StructuredOutput
-from specdecode.model_packages import fetch
-from specdecode.models import load_model, load_tokenizer, resolve_model_dir
+from specdecode.models.model_packages import fetch
+from specdecode.models.checkpoints import load_model, load_tokenizer, resolve_model_dir
 from specdecode.sequence import SamplingParams
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
 from specdecode_stack.inprocess import build_inprocess_engine
 
 DEFAULT_K = 8  # the stack's --num-speculative-tokens default: the most its policy picks

@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.api.client import SpecDecodeClient, build_request
-from specdecode.models import load_tokenizer
+from specdecode.models.checkpoints import load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig, free_port
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 RECEIVER = """
 import sys

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdecode.limits import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                               MAX_STOP_TOKEN_IDS, TEXT_BYTES_PER_TOKEN)
-from specdecode.server import ServerOptions
-from specdecode.tls import TlsFiles
+from specdecode.serving.limits import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRING_CHARS,
+                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, TEXT_BYTES_PER_TOKEN)
+from specdecode.serving.server import ServerOptions
+from specdecode.serving.tls import TlsFiles
 
 SPECULATION = ("adaptive", "fixed")
 # Drafting ahead (orchestrator.engine.lookahead): where the policy prices it faster (never

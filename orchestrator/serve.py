@@ -13,7 +13,7 @@ import logging
 import os
 
 from orchestrator.config import OrchestratorConfig
-from specdecode.server import serve_deferred
+from specdecode.serving.server import serve_deferred
 from specdecode.v1 import spec_decode_service_pb2, spec_decode_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def _load(config: OrchestratorConfig, parts: dict) -> dict:
     from specdecode.grammar.metrics import export_grammar_metrics
     from specdecode.model_info import (check_compatible, check_tokenizer, serving_max_model_len,
                                        share_cores)
-    from specdecode.models import load_tokenizer, tokenizer_fingerprint
+    from specdecode.models.checkpoints import load_tokenizer, tokenizer_fingerprint
 
     proposer, scorer, p_info, s_info = connect_services(
         config.proposer, config.scorer, config.server.channel_options, config.resilience,
@@ -132,7 +132,7 @@ async def serve_orchestrator(config: OrchestratorConfig) -> None:
     if config.http_port:
         from orchestrator.frontend.http_server import HttpServer
         from orchestrator.frontend.openai_api import create_app
-        from specdecode.auth import TokenSet
+        from specdecode.serving.auth import TokenSet
         tokens = TokenSet(options.auth_token_file) if options.auth_token_file else None
         # A JSON body may spell a prompt less tightly than protobuf: twice its byte limit.
         app = create_app(servicer.frontend, tokens,

@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 
 from proposer_svc.common import pack_proposals, speculation_len
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer, wants_probs
 from specdecode.sequence import ExecuteModelRequest
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 
 class DraftModelProposer(SpeculativeProposer):

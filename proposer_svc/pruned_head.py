@@ -49,7 +49,7 @@ def frequency_order(model_dir: str | Path | None, vocab_size: int) -> list[int]:
 class PrunedLMHead(nn.Module):
     """Drop-in for a model's `lm_head` (nn.Linear hidden -> V): logits for the kept ids,
     -inf elsewhere. keep: [N] long, ascending. The kept rows form a linear of the head's own
-    class (a row-invariant head stays row-invariant: specdecode.invariant_ops)."""
+    class (a row-invariant head stays row-invariant: specdecode.executor.invariant_ops)."""
 
     def __init__(self, lm_head: nn.Linear, keep: torch.Tensor):
         super().__init__()

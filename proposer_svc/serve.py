@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
-from specdecode.cost_model import attach_live_costs
+from specdecode.executor.calibration import attach_live_costs
 from specdecode.grammar.metrics import export_grammar_metrics
-from specdecode.limits import ServiceLimits
-from specdecode.model_loading import ModelOptions
-from specdecode.model_metrics import export_runner_metrics
-from specdecode.recalibration import Recalibrator
-from specdecode.server import ServerOptions, serve_deferred
+from specdecode.serving.limits import ServiceLimits
+from specdecode.models.model_loading import ModelOptions
+from specdecode.serving.model_metrics import export_runner_metrics
+from specdecode.serving.recalibration import Recalibrator
+from specdecode.serving.server import ServerOptions, serve_deferred
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 
 log = logging.getLogger(__name__)

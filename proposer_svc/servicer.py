@@ -9,18 +9,18 @@ from dataclasses import dataclass
 from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
-from specdecode import wire
-from specdecode.cost_model import calibrate, calibration_widths
+from specdecode.wire import codec
+from specdecode.executor.calibration import calibrate, calibration_widths
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM, ModelInfo
-from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
-from specdecode.model_runner import ModelRunner
-from specdecode.model_servicer import ModelServicer
-from specdecode.models import resolve_model_dir
-from specdecode.server import map_errors
+from specdecode.models.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
+from specdecode.executor.model_runner import ModelRunner
+from specdecode.serving.model_servicer import ModelServicer
+from specdecode.models.checkpoints import resolve_model_dir
+from specdecode.serving.server import map_errors
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LoadedProposer:
 def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
                    draft_confidence: float = 0.0) -> LoadedProposer:
     """The proposer that `options` name: "ngram", or a draft model loaded from its path,
-    its forward costs measured (cost_model.calibrate). draft_vocab_size: the draft scores
+    its forward costs measured (calibration.calibrate). draft_vocab_size: the draft scores
     only that many most frequent token ids (0 = all; proposer_svc.pruned_head);
     draft_confidence: a draft stops after a token it was less sure of (0 = never;
     proposer_svc.draft)."""
@@ -77,7 +77,7 @@ class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceS
         await self.prepare_grammars(req, required=False)
         proposals = await self.model.run(self.proposer.get_proposals, req)
         response = proposer_service_pb2.GetProposalsResponse(
-            proposals=wire.proposals_to_proto(proposals))
+            proposals=codec.proposals_to_proto(proposals))
         response.service_seconds = time.perf_counter() - start
         return response
 

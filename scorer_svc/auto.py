@@ -10,11 +10,11 @@ from prometheus_client import Counter
 
 from scorer_svc.batch_expansion import BatchExpansionTop1Scorer
 from scorer_svc.multi_query import MultiQueryScorer
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.cost_model import ForwardCosts, cheaper_scoring
 from specdecode.interfaces import SpeculativeProposals, SpeculativeScorer, SpeculativeScores
 from specdecode.sequence import ExecuteModelRequest
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 CALLS = Counter("specdecode_auto_scoring_calls", "Scoring calls by the method auto scoring "
                 "chose (multi-query or batch-expansion).", ["method"])

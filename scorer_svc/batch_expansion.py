@@ -15,11 +15,11 @@ from itertools import count
 
 import torch
 
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
                                    wants_logprobs, wants_probs)
 from specdecode.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 
 def token_ids_to_score(proposal: list[int]) -> list[list[int]]:

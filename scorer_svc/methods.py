@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from specdecode.cost_model import ForwardCosts
     from specdecode.interfaces import SpeculativeScorer
-    from specdecode.worker import ModelWorker
+    from specdecode.executor.worker import ModelWorker
 
 SCORING_METHODS = ("batch-expansion", "multi-query")
 SCORING_CHOICES = ("auto", *SCORING_METHODS)  # auto: per call, by measured cost
@@ -31,6 +31,6 @@ def make_scorer(scoring: str, worker: ModelWorker,
     """costs: the target's measured forward costs (auto only; measured here when None)."""
     if scoring == "auto":
         from scorer_svc.auto import AutoScorer
-        from specdecode.cost_model import calibrate
+        from specdecode.executor.calibration import calibrate
         return AutoScorer(worker, costs if costs is not None else calibrate(worker.runner))
     return scorer_class(scoring)(worker)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from scorer_svc.batch_expansion import scatter_scores
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeScorer, SpeculativeScores,
                                    wants_logprobs, wants_probs)
 from specdecode.sequence import ExecuteModelRequest
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 
 class MultiQueryScorer(SpeculativeScorer):

@@ -6,18 +6,18 @@ import time
 from dataclasses import dataclass
 
 from scorer_svc.methods import SCORING_CHOICES, make_scorer
-from specdecode import wire
-from specdecode.cost_model import calibrate, calibration_widths
+from specdecode.wire import codec
+from specdecode.executor.calibration import calibrate, calibration_widths
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
 from specdecode.grammar.matcher import Grammars
-from specdecode.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
-from specdecode.model_runner import ModelRunner
+from specdecode.models.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
+from specdecode.executor.model_runner import ModelRunner
 from specdecode.errors import fields_of
-from specdecode.model_servicer import ModelServicer
-from specdecode.server import map_errors
+from specdecode.serving.model_servicer import ModelServicer
+from specdecode.serving.server import map_errors
 from specdecode.v1 import scorer_service_pb2, scorer_service_pb2_grpc
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LoadedScorer:
 
 def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
     """The target model loaded from `options`, its forward costs measured
-    (cost_model.calibrate), scored by the method named `scoring` (auto: per call, by cost)."""
+    (calibration.calibrate), scored by the method named `scoring` (auto: per call, by cost)."""
     if scoring not in SCORING_CHOICES:
         raise ValueError(f"scoring: must be one of {', '.join(SCORING_CHOICES)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
@@ -58,15 +58,15 @@ class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceService
         if missing:
             return scorer_service_pb2.ScoreProposalsResponse(missing_seq_ids=missing)
         await self.prepare_grammars(req, required=True)
-        proposals = wire.proposals_from_proto(request.proposals, "proposals",
-                                              batch_size=len(req.seq_group_metadata_list),
-                                              vocab_size=self.info.vocab_size)
+        proposals = codec.proposals_from_proto(request.proposals, "proposals",
+                                               batch_size=len(req.seq_group_metadata_list),
+                                               vocab_size=self.info.vocab_size)
         with fields_of("proposals"):
             proposals.validate(req, self.info.vocab_size, self.info.max_model_len)
         scores = await self.model.run(self.scorer.score_proposals, req, proposals)
         if scores.logprobs is not None:  # rows nobody asked for travel as zeros (sparse)
             asked = [sg.sampling_params.logprobs is not None for sg in req.seq_group_metadata_list]
             scores.logprobs[[i for i, a in enumerate(asked) if not a]] = 0.0
-        response = scorer_service_pb2.ScoreProposalsResponse(scores=wire.scores_to_proto(scores))
+        response = scorer_service_pb2.ScoreProposalsResponse(scores=codec.scores_to_proto(scores))
         response.service_seconds = time.perf_counter() - start
         return response

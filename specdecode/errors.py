@@ -1,7 +1,7 @@
 """The errors that cross an API boundary, and the one table that maps each to its gRPC code,
 HTTP status and OpenAI error type (text-generation-inference's single exception mapping is the
-model). The gRPC servicers (specdecode.server.map_errors, the orchestrator's Generate) and the
-OpenAI HTTP API (orchestrator.frontend.openai_api) all answer from `status_of`.
+model). The gRPC servicers (specdecode.serving.server.map_errors, the orchestrator's Generate)
+and the OpenAI HTTP API (orchestrator.frontend.openai_api) all answer from `status_of`.
 """
 
 from __future__ import annotations

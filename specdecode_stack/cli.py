@@ -24,13 +24,13 @@ import click
 import grpc
 
 from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate
-from specdecode.auth import read_tokens
-from specdecode.device import DeviceUnavailableError
-from specdecode.health import ServiceUnreachableError
-from specdecode.logs import configure_logging
+from specdecode.serving.auth import read_tokens
+from specdecode.executor.device import DeviceUnavailableError
+from specdecode.serving.health import ServiceUnreachableError
+from specdecode.telemetry.logs import configure_logging
 from specdecode.model_info import IncompatibleModelsError
-from specdecode.otel_setup import configure
-from specdecode.tls import TlsFiles
+from specdecode.telemetry.otel_setup import configure
+from specdecode.serving.tls import TlsFiles
 from specdecode_stack.local import LocalStack, StackConfig
 from specdecode_stack.options import (DEFAULTS, Sectioned, WholeText, admission_options,
                                       demo_serving_options, draft_options, http_api_options,
@@ -45,7 +45,7 @@ from specdecode_stack.options import (DEFAULTS, Sectioned, WholeText, admission_
                                       telemetry_options, trace_steps_option)
 
 if TYPE_CHECKING:
-    from specdecode.server import ServerOptions
+    from specdecode.serving.server import ServerOptions
 
 STARTUP_ERRORS = (ServiceUnreachableError, IncompatibleModelsError, DeviceUnavailableError,
                   OSError, ValueError)  # OSError: a file or port
@@ -81,7 +81,7 @@ def serve() -> None:
 
 def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_host, tls_cert,
             tls_key, tls_ca, auth_token_file, reflection, **extra) -> ServerOptions:
-    from specdecode.server import ServerOptions
+    from specdecode.serving.server import ServerOptions
     if tls_ca and not tls_cert:
         raise click.UsageError("--tls-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
     return ServerOptions(host, port, metrics_port, grace_seconds, max_message_mb,
@@ -94,11 +94,11 @@ def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_
              enforce_eager, deterministic, calibration_width, tls_client_auth, max_batch_seqs,
              max_speculative_tokens, max_batch_tokens, sequence_lease_seconds, **server):
     """run(ServerOptions, ModelOptions, ServiceLimits): the proposer or scorer, after its TLS
-    rule (specdecode.tls.check_client_auth, inside the run: a refusal is one line, the
+    rule (specdecode.serving.tls.check_client_auth, inside the run: a refusal is one line, the
     warning a log line)."""
-    from specdecode.limits import ServiceLimits
-    from specdecode.model_loading import ModelOptions, resolve_deterministic
-    from specdecode.tls import check_client_auth
+    from specdecode.serving.limits import ServiceLimits
+    from specdecode.models.model_loading import ModelOptions, resolve_deterministic
+    from specdecode.serving.tls import check_client_auth
     options = _server(**server)
     check_client_auth(options.tls, tls_client_auth)
     return run(options, ModelOptions(model, device, dtype, max_model_len, kv_cache_memory,

@@ -12,12 +12,12 @@ from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from scorer_svc.methods import make_scorer
-from specdecode.cost_model import calibrate, calibration_widths
+from specdecode.executor.calibration import calibrate, calibration_widths
 from specdecode.grammar.compiler import GrammarCompiler
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM
-from specdecode.model_runner import ModelRunner
-from specdecode.worker import ModelWorker
+from specdecode.executor.model_runner import ModelRunner
+from specdecode.executor.worker import ModelWorker
 
 
 def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: int = 4,
@@ -36,10 +36,10 @@ def build_inprocess_engine(target, draft, scoring: str = "batch-expansion", k: i
     this modifies `draft` in place); draft_confidence: the draft stops after a token it
     was less sure of (proposer_svc.draft); tokenizer: the models' (transformers), for
     structured output (the draft and the target each keep their grammar states);
-    deterministic: row-invariant numerics in both models (specdecode.invariant_ops);
+    deterministic: row-invariant numerics in both models (specdecode.executor.invariant_ops);
     async_drafting: draft ahead (auto never does here: the proposer and scorer share this
     process's cores);
-    enforce_eager, compile_batch_sizes: both runners' (specdecode.model_runner)."""
+    enforce_eager, compile_batch_sizes: both runners' (specdecode.executor.model_runner)."""
     compiler = None if tokenizer is None else GrammarCompiler(tokenizer,
                                                               target.config.vocab_size)
     grammars = (lambda: None) if compiler is None else (lambda: Grammars(compiler))

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-from specdecode.health import wait_serving
+from specdecode.serving.health import wait_serving
 from specdecode.model_info import NGRAM
-from specdecode.tls import TlsFiles, open_channel
+from specdecode.serving.tls import TlsFiles, open_channel
 
 
 _handed_out: set[int] = set()  # ports free_port returned: several may wait unbound at once
@@ -180,7 +180,8 @@ class LocalStack:
               on_serving: Callable[[str], None] | None = None) -> str:
         """Start the scorer, the proposer, then the orchestrator, each once the one before
         serves; `on_serving(role)` as each does. The orchestrator's address."""
-        from specdecode.models import has_tokenizer  # loads torch: the CLI's client path must not
+        # loads torch: the CLI's client path must not
+        from specdecode.models.checkpoints import has_tokenizer
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",

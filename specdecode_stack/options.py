@@ -15,10 +15,10 @@ import click
 
 from orchestrator.config import ASYNC_DRAFTING, SPECULATION
 from scorer_svc.methods import SCORING_CHOICES
-from specdecode.device import DEVICE_CHOICES, DTYPE_CHOICES
-from specdecode.limits import MAX_K
-from specdecode.tls import CLIENT_AUTH_CHOICES
-from specdecode.tracing import parse_trace_steps
+from specdecode.executor.device import DEVICE_CHOICES, DTYPE_CHOICES
+from specdecode.serving.limits import MAX_K
+from specdecode.serving.tls import CLIENT_AUTH_CHOICES
+from specdecode.telemetry.tracing import parse_trace_steps
 from specdecode_stack.local import StackConfig
 
 DEFAULTS = StackConfig()  # the defaults `serve`, `up`, `demo` and `generate` share
@@ -69,7 +69,7 @@ class Sectioned(click.Command):
 
 def _size(ctx, param, value) -> int | None:
     try:
-        from specdecode.model_loading import parse_size
+        from specdecode.models.model_loading import parse_size
         return None if value is None else parse_size(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None

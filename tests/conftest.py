@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 from tests.support.models import DRAFT, TARGET
 
 LONG_CONTEXT = 8192

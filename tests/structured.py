@@ -13,7 +13,7 @@ from specdecode.grammar.matcher import SequenceMatcher, bitmask_to_allowed
 from specdecode.grammar.spec import StructuredOutput
 from specdecode.sampling import truncated_probs
 from specdecode.sequence import SamplingParams
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer
 
 VOCAB = 257  # bytes and <eos>
 EOS = 256

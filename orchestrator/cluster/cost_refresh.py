@@ -1,5 +1,5 @@
 """Hands the speculation policy the forward-cost tables its services re-measured while idle
-(specdecode.recalibration): every REFRESH_S, the first replica up of each service is asked
+(specdecode.serving.recalibration): every REFRESH_S, the first replica up of each service is asked
 for its ModelInfo, and a re-measured table (version > 0) of another version (or from another
 replica) than the last one seen replaces the policy's (SpeculationPolicy.update_table).
 

@@ -258,8 +258,8 @@ def connect_services(proposer: str, scorer: str, channel_options: list[tuple[str
                      ) -> tuple[RoutedProposer, RoutedScorer, ModelInfo, ModelInfo]:
     """Both services' replica sets, started (ServiceUnreachableError if either has no
     replica SERVING within connect_timeout_s), with their model infos; `security`: TLS and
-    token of their channels; `deltas`: step calls carry sequence deltas (specdecode.deltas.encoder),
-    tracked per replica."""
+    token of their channels; `deltas`: step calls carry sequence deltas
+    (specdecode.wire.delta_encoder), tracked per replica."""
     channel_options = [*channel_options, *keepalive_options(options.keepalive_interval_s,
                                                             options.keepalive_timeout_s)]
 

@@ -2,7 +2,7 @@
 same one-method interfaces as the in-process proposers and scorers, so the engine cannot
 tell them apart. Each counts the bytes it sends and receives, the sequences it had to resend
 in full, and the time the service reported busy. Step requests carry sequence deltas
-(specdecode.deltas.encoder: what this replica last received) unless built with deltas=False.
+(specdecode.wire.delta_encoder: what this replica last received) unless built with deltas=False.
 
 Every call made under a sampled span gets a CLIENT span, and the current trace context
 travels in the call's metadata (W3C traceparent), so the service's server span is the
@@ -18,15 +18,16 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from orchestrator.config import ServiceSecurity
 from orchestrator.engine.deadlines import CallCancelled, current_cancel
-from specdecode.deltas.encoder import DeltaEncoder
-from specdecode import tracing, wire
+from specdecode.wire.delta_encoder import DeltaEncoder
+from specdecode.telemetry import tracing
+from specdecode.wire import codec
 from orchestrator.cluster.routing import split_address
-from specdecode.auth import with_token
+from specdecode.serving.auth import with_token
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)
 from specdecode.model_info import ModelInfo
 from specdecode.sequence import ExecuteModelRequest
-from specdecode.tls import channel_credentials
+from specdecode.serving.tls import channel_credentials
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, proposer_service_pb2_grpc,
                            scorer_service_pb2, scorer_service_pb2_grpc, sequence_pb2)
 
@@ -37,7 +38,7 @@ def keepalive_options(interval_s: float, timeout_s: float) -> list[tuple[str, in
     ack within `timeout_s` closes the connection, its calls fail UNAVAILABLE and the health
     check finds the replica unreachable, in at most interval + timeout seconds (+ one
     health interval); the servers permit pings this often
-    (specdecode.server.KEEPALIVE_SERVER_OPTIONS)."""
+    (specdecode.serving.server.KEEPALIVE_SERVER_OPTIONS)."""
     timeout_ms = int(timeout_s * 1000)
     # ping_timeout: every ping's (60 s by default): a BDP ping in flight when the link went
     # quiet held keepalive back for that long.
@@ -95,7 +96,7 @@ class _RequestEncoding:
     def __call__(self, req: ExecuteModelRequest) -> sequence_pb2.ExecuteModelRequest:
         last = self._last  # one read: replicas' calls may encode from several threads
         if last is None or last[0] is not req:
-            last = self._last = (req, wire.request_to_proto(req))
+            last = self._last = (req, codec.request_to_proto(req))
         return last[1]
 
 
@@ -187,7 +188,7 @@ class _Remote:
     def model_info(self) -> ModelInfo:
         info = self.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(),
                                       timeout=self.timeout_s)
-        return wire.model_info_from_proto(info)
+        return codec.model_info_from_proto(info)
 
     def release_sequences(self, seq_ids: list[int]) -> int:
         if not seq_ids:
@@ -211,8 +212,8 @@ class RemoteProposer(_Remote, SpeculativeProposer):
         response = self._step_call("GetProposals", execute_model_req,
                                    lambda encoded: proposer_service_pb2.GetProposalsRequest(
                                        request=encoded), timeout)
-        return wire.proposals_from_proto(response.proposals, "proposals",
-                                         batch_size=len(execute_model_req.seq_group_metadata_list))
+        return codec.proposals_from_proto(response.proposals, "proposals",
+                                          batch_size=len(execute_model_req.seq_group_metadata_list))
 
 
 class RemoteScorer(_Remote, SpeculativeScorer):
@@ -226,10 +227,10 @@ class RemoteScorer(_Remote, SpeculativeScorer):
     def score_proposals(self, execute_model_req: ExecuteModelRequest,
                         proposals: SpeculativeProposals,
                         timeout: float | None = None) -> SpeculativeScores:
-        encoded_proposals = wire.proposals_to_proto(proposals)
+        encoded_proposals = codec.proposals_to_proto(proposals)
         response = self._step_call("ScoreProposals", execute_model_req,
                                    lambda encoded: scorer_service_pb2.ScoreProposalsRequest(
                                        request=encoded, proposals=encoded_proposals), timeout)
-        return wire.scores_from_proto(response.scores, "scores",
-                                      batch_size=len(execute_model_req.seq_group_metadata_list),
-                                      num_positions=execute_model_req.num_lookahead_slots + 1)
+        return codec.scores_from_proto(response.scores, "scores",
+                                       batch_size=len(execute_model_req.seq_group_metadata_list),
+                                       num_positions=execute_model_req.num_lookahead_slots + 1)

@@ -33,7 +33,7 @@ from prometheus_client import Counter, Gauge
 from orchestrator.cluster.remote import open_channel
 from orchestrator.config import ServiceSecurity
 from orchestrator.cluster.routing import HashRing, resolve
-from specdecode.health import UNREACHABLE, ServiceUnreachableError, health_status
+from specdecode.serving.health import UNREACHABLE, ServiceUnreachableError, health_status
 from specdecode.model_info import ModelInfo
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ trusts its requests (the frontend validated them once: orchestrator.frontend.req
 
 Tracing: each step is a `spec_decode.step` span with children `propose`, `score` and
 `rejection_sample`, placed in the trace of the oldest participating request and linked to
-the others (see specdecode.tracing.step_span). `trace_every` keeps every Nth step span
+the others (see specdecode.telemetry.tracing.step_span). `trace_every` keeps every Nth step span
 (1 = all, 0 = none: request spans only).
 """
 
@@ -43,7 +43,7 @@ from orchestrator.engine.service_stats import ServiceStats, snapshot, step_stats
 from orchestrator.engine.speculation_policy import Candidate, Plan, SpeculationPolicy
 from orchestrator.engine.step_stats import StepStats
 from orchestrator.engine.verify import verify
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.api.usage import Usage
 from specdecode.interfaces import (SpeculativeProposals, SpeculativeProposer, SpeculativeScorer,
                                    SpeculativeScores)

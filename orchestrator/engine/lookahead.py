@@ -17,7 +17,7 @@ drafted then would be; the rejection sampler sees its probabilities. Seeded draw
 the same tokens with lookahead on and off when the steps' k are the same. The draft's KV
 state for a dropped chain is rolled back by the next call (its prefix no longer matches,
 docs/design.md invariant 3), and the proposer's delta record likewise
-(specdecode.deltas.encoder).
+(specdecode.wire.delta_encoder).
 
 The lookahead call goes out beside the scoring call and is settled once the step's tokens
 are appended, so no call of it outlives its step: the next step's fresh proposer call never
@@ -40,9 +40,9 @@ import torch
 
 from orchestrator.engine import deadlines
 from orchestrator.engine.request import Sequence
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.interfaces import SpeculativeProposals
-from specdecode.limits import MAX_K
+from specdecode.serving.limits import MAX_K
 from specdecode.sequence import ExecuteModelRequest, SequenceGroupMetadata
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from orchestrator.engine.request import Request, StepOutput
 from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.engine.step_stats import StepStats
 from specdecode.api.usage import Usage
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.sequence import ExecuteModelRequest
 

@@ -31,7 +31,7 @@ quarter of the plain time its request has left; else within 3% of it -- or 10% o
 time decoded on the unchecked tables so far, up to a quarter --, later 2% of its own); a
 sequence that has speculated decodes plainly only when speculation would not pay at one
 posterior standard deviation above its acceptance; the services re-measure their tables
-while idle (specdecode.recalibration) and a newer table replaces the policy's
+while idle (specdecode.serving.recalibration) and a newer table replaces the policy's
 (update_table).
 
 Every plan says why (Plan.reasons, per sequence: REASONS) and its predicted speed-up over

@@ -1,6 +1,6 @@
 """The OpenTelemetry GenAI server metrics, one observation per request each: OTLP
 histograms through the OpenTelemetry metrics API (exported when an entry point installs an
-SDK MeterProvider, specdecode.otel_setup; no-ops otherwise). Their names have dots, which
+SDK MeterProvider, specdecode.telemetry.otel_setup; no-ops otherwise). Their names have dots, which
 Prometheus names cannot: the Prometheus side has its own (orchestrator.frontend
 .request_metrics). Boundaries are the conventions' advisory ones."""
 

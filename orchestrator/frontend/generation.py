@@ -27,7 +27,7 @@ from orchestrator.frontend import genai_metrics, request_metrics as metrics, sem
 from orchestrator.frontend.admission import Admission, Slot
 from orchestrator.frontend.request import Generation, GenerationRequest, RequestLimits
 from orchestrator.frontend.stream_watch import WRITE_TIMEOUTS, StreamWatch
-from specdecode import tracing
+from specdecode.telemetry import tracing
 from specdecode.api.usage import Usage, add_usage
 from specdecode.errors import InvalidRequestError, Overloaded, StreamWriteTimeout
 from specdecode.grammar.compiler import GrammarCompiler

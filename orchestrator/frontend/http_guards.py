@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 
 from orchestrator.frontend.openai_protocol import APIError
-from specdecode.auth import TokenSet
+from specdecode.serving.auth import TokenSet
 
 T = TypeVar("T")
 

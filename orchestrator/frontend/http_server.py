@@ -15,8 +15,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orchestrator.config import HttpLimits
 from orchestrator.frontend.stream_watch import WRITE_TIMEOUTS
-from specdecode.server import check_port_free
-from specdecode.tls import TlsFiles
+from specdecode.serving.server import check_port_free
+from specdecode.serving.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from orchestrator.frontend.semconv import CHAT, TEXT_COMPLETION, Operation
 from orchestrator.frontend.vllm_api import add_vllm_routes
 from specdecode.api import finish_reason
 from specdecode.api.usage import Usage, add_usage, openai_usage
-from specdecode.auth import TokenSet
+from specdecode.serving.auth import TokenSet
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from orchestrator.engine.detokenizer import Detokenizer
 from orchestrator.engine.request import Request
 from orchestrator.frontend.semconv import Operation
-from specdecode.limits import (MAX_CHAT_NAME_BYTES, MAX_REQUEST_ID_CHARS, MAX_SAMPLES,
-                               MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                               TEXT_BYTES_PER_TOKEN)
+from specdecode.serving.limits import (MAX_CHAT_NAME_BYTES, MAX_REQUEST_ID_CHARS, MAX_SAMPLES,
+                                       MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                       TEXT_BYTES_PER_TOKEN)
 from specdecode.errors import InvalidRequestError
 from specdecode.sequence import SamplingParams, validate_token_ids
 

@@ -14,13 +14,13 @@ from orchestrator.frontend.generation import Frontend, ServedModel
 from orchestrator.frontend.request import GenerationRequest, RequestLimits
 from orchestrator.engine.loop import EngineLoop
 from specdecode.grammar.compiler import GrammarCompiler
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.api import finish_reason
 from specdecode.api.usage import usage_to_proto
 from specdecode.errors import Overloaded
 from specdecode.errors import InvalidRequestError
 from specdecode.sequence import SamplingParams
-from specdecode.server import Deferred, map_errors, map_stream_errors
+from specdecode.serving.server import Deferred, map_errors, map_stream_errors
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
 
@@ -35,7 +35,7 @@ def request_from_proto(m: pb.GenerateRequest) -> GenerationRequest:
         frequency_penalty=m.frequency_penalty, logit_bias=dict(m.logit_bias),
         seed=m.seed if m.HasField("seed") else None, stop_token_ids=tuple(m.stop_token_ids),
         logprobs=m.logprobs if m.HasField("logprobs") else None,
-        structured_output=wire.structured_output_from_proto(m.structured_output))
+        structured_output=codec.structured_output_from_proto(m.structured_output))
     return GenerationRequest(
         prompt, params, max_tokens=m.max_tokens or None, n=m.n or 1, stop=list(m.stop),
         ignore_eos=m.ignore_eos,

@@ -29,7 +29,7 @@ from orchestrator.frontend.generation import Frontend
 from orchestrator.frontend.openai_protocol import APIError, ChatMessage
 from orchestrator.frontend.request import GenerationRequest
 from orchestrator.frontend.vllm_metrics import VllmNames
-from specdecode.served_metrics import SERVED
+from specdecode.telemetry.served_metrics import SERVED
 
 
 class TokenizeRequest(BaseModel):

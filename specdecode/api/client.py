@@ -24,8 +24,8 @@ import grpc
 from specdecode.api import finish_reason
 from specdecode.api.usage import Usage, usage_from_proto
 from specdecode.v1 import model_info_pb2
-from specdecode.auth import bearer_metadata
-from specdecode.tls import TlsFiles, channel_credentials
+from specdecode.serving.auth import bearer_metadata
+from specdecode.serving.tls import TlsFiles, channel_credentials
 from specdecode.v1 import spec_decode_service_pb2 as pb
 from specdecode.v1 import spec_decode_service_pb2_grpc
 from specdecode.v1.structured_output_pb2 import StructuredOutput

@@ -210,7 +210,7 @@ class SequencePrefix(_message.Message):
     """
     hash: _builtins.int
     """Polynomial hash of those tokens: h = 0, then h = (h * 1000003 + token + 1) mod (2^61 - 1)
-    for each token in order (specdecode.deltas.store.extend_hash).
+    for each token in order (specdecode.wire.delta_store.extend_hash).
     """
     def __init__(
         self,

@@ -125,7 +125,8 @@ def test_the_tls_probe_the_pods_run_checks_health_over_mutual_tls(docs, tmp_path
     try:
         c = server(docs, "scorer")
         command = c["readinessProbe"]["exec"]["command"]
-        assert command[:3] == ["python", "-m", "specdecode.probe"] and "grpc" not in c["readinessProbe"]
+        assert command[:3] == ["python", "-m", "specdecode.serving.probe"]
+        assert "grpc" not in c["readinessProbe"]
         mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls")
         command = [a.replace(mount, str(tmp_path)).replace(":50053", f":{port}") for a in command]
 

@@ -19,11 +19,11 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.v1 import (model_info_pb2, proposer_service_pb2, scorer_service_pb2,
                            sequence_pb2, speculative_pb2, tensor_pb2)
 
-VOCAB, MAX_LEN = 256, 256  # the tiny test models' (specdecode.tiny_models.TinyModelSpec)
+VOCAB, MAX_LEN = 256, 256  # the tiny test models' (specdecode.models.tiny_models.TinyModelSpec)
 NAN, INF = math.nan, math.inf
 BAD_IDS = [-1, -2, VOCAB, VOCAB + 1, 2**31, 2**62, 2**63 - 1, -2**63]
 BAD_FLOATS = [NAN, INF, -INF, -1.0, 0.0, 5e-324, 1e-40, 1e-30, 1e308, 1.5, 3.0, 200.0]
@@ -76,8 +76,9 @@ def score_request(rng: random.Random) -> scorer_service_pb2.ScoreProposalsReques
     ids, lens, probs = proposals_for(rng, m, with_probs=rng.random() < 0.3)
     return scorer_service_pb2.ScoreProposalsRequest(
         request=m, proposals=speculative_pb2.SpeculativeProposals(
-            proposal_token_ids=wire.tensor_to_proto(ids), proposal_lens=wire.tensor_to_proto(lens),
-            proposal_probs=None if probs is None else wire.tensor_to_proto(probs, sparse=True)))
+            proposal_token_ids=codec.tensor_to_proto(ids),
+            proposal_lens=codec.tensor_to_proto(lens),
+            proposal_probs=None if probs is None else codec.tensor_to_proto(probs, sparse=True)))
 
 
 # -- structured edits of a step request ------------------------------------------------------
@@ -251,7 +252,7 @@ def edit_probs(rng, m):
         flat[rng.randrange(flat.numel())] = [NAN, INF, -0.5, 1.5][choice]
     elif probs.numel() and choice == 4:
         probs *= rng.choice([0.0, 0.5, 2.0])
-    m.proposals.proposal_probs.CopyFrom(wire.tensor_to_proto(probs, sparse=choice == 5))
+    m.proposals.proposal_probs.CopyFrom(codec.tensor_to_proto(probs, sparse=choice == 5))
     if choice == 5 and m.proposals.proposal_probs.HasField("sparse_rows"):
         sparse = m.proposals.proposal_probs.sparse_rows
         field = rng.choice(["row_starts", "columns"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.model_runner import ModelRunner, RunnerRow
+from specdecode.executor.model_runner import ModelRunner, RunnerRow
 from specdecode_stack.inprocess import build_inprocess_engine
 from tests.support.models import CPU, greedy_request
 from tests.support.references import reference_greedy

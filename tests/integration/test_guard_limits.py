@@ -22,7 +22,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdecode.api.client import SpecDecodeClient, build_request
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
@@ -57,7 +57,7 @@ def step_request(n_seqs: int, length: int, k: int, first_id: int = 10_000,
         seq_data={first_id + i: SequenceData(
             torch.randint(0, 256, (length - output,), generator=gen).tolist(), [7] * output)},
         sampling_params=SamplingParams(max_tokens=8)) for i in range(n_seqs)]
-    return wire.request_to_proto(ExecuteModelRequest(groups, num_lookahead_slots=k))
+    return codec.request_to_proto(ExecuteModelRequest(groups, num_lookahead_slots=k))
 
 
 def score_request(n_seqs: int, length: int, k: int, **kw) -> scorer_service_pb2.ScoreProposalsRequest:
@@ -66,7 +66,7 @@ def score_request(n_seqs: int, length: int, k: int, **kw) -> scorer_service_pb2.
                                      proposal_lens=torch.full((n_seqs,), k))
     return scorer_service_pb2.ScoreProposalsRequest(
         request=step_request(n_seqs, length, k, **kw),
-        proposals=wire.proposals_to_proto(proposals))
+        proposals=codec.proposals_to_proto(proposals))
 
 
 def call(channel: grpc.Channel, method: str, message, timeout: float = 10.0,

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig, free_port, wait_process_serving
-from specdecode.tls import TlsFiles, channel_credentials
+from specdecode.serving.tls import TlsFiles, channel_credentials
 from specdecode.v1 import model_info_pb2, scorer_service_pb2_grpc
 from tests.support.certs import TestCA
 from tests.support.references import reference_greedy

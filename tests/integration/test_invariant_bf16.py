@@ -30,7 +30,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from specdecode.api.client import GenerateResult, SpecDecodeClient
-from specdecode.models import load_tokenizer, resolve_model_dir
+from specdecode.models.checkpoints import load_tokenizer, resolve_model_dir
 from tests.support.cluster import Cluster
 
 

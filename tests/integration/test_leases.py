@@ -10,9 +10,9 @@ import time
 import grpc
 import torch
 
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.api.client import SpecDecodeClient
-from specdecode.deltas.store import extend_hash
+from specdecode.wire.delta_store import extend_hash
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
@@ -27,7 +27,7 @@ PROMPTS = [[5, 17, 99, 3], [1, 2, 3, 4, 5, 6], [42, 7], [9] * 10]
 
 
 def step() -> sequence_pb2.ExecuteModelRequest:
-    return wire.request_to_proto(ExecuteModelRequest([SequenceGroupMetadata(
+    return codec.request_to_proto(ExecuteModelRequest([SequenceGroupMetadata(
         f"r{i}", False, {seq_id: SequenceData(prompt, [8])}, SamplingParams(max_tokens=8))
         for i, (seq_id, prompt) in enumerate(zip(SEQ_IDS, PROMPTS))], num_lookahead_slots=2))
 
@@ -52,7 +52,7 @@ def test_unreleased_sequences_are_reclaimed_after_the_lease(tiny_model_dirs, tar
         proposals = SpeculativeProposals(torch.full((4, 2), 3), None, torch.full((4,), 2))
         scorer.unary_unary("/specdecode.v1.ScorerService/ScoreProposals")(
             scorer_service_pb2.ScoreProposalsRequest(
-                request=step(), proposals=wire.proposals_to_proto(proposals)).SerializeToString(),
+                request=step(), proposals=codec.proposals_to_proto(proposals)).SerializeToString(),
             timeout=60)
         held = {role: (gauge(stack, role, "specdecode_sequence_leases"),
                        gauge(stack, role, "specdecode_kv_cache_sequences"))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.api.client import GenerateResult, SpecDecodeClient, accumulate, build_request
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,
                                  SequenceGroupMetadata)
@@ -431,7 +431,7 @@ def serve_ngram_proposer(*flags: str, env: dict[str, str]) -> tuple[str, str]:
                 request_id="r", is_prompt=False, seq_data={0: SequenceData([1, 2, 3, 1, 2], [3])},
                 sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
             request = proposer_service_pb2.GetProposalsRequest(
-                request=wire.request_to_proto(ExecuteModelRequest([group], num_lookahead_slots=2)))
+                request=codec.request_to_proto(ExecuteModelRequest([group], num_lookahead_slots=2)))
             proposer_service_pb2_grpc.ProposerServiceStub(channel).GetProposals(
                 request, metadata=[("traceparent", TRACEPARENT)], timeout=30)
     finally:

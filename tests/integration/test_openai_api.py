@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdecode.api.client import AsyncSpecDecodeClient, SpecDecodeClient
-from specdecode.models import load_model, load_tokenizer
+from specdecode.models.checkpoints import load_model, load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 
 PROMPT = "The capital of France is"

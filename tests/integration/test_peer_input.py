@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdecode import wire
+from specdecode.wire import codec
 from specdecode.interfaces import SpeculativeProposals
 from specdecode.v1 import scorer_service_pb2
 from specdecode_stack.local import LocalStack, StackConfig
@@ -48,7 +48,7 @@ def score(k: int, ids: list[list[int]], lens: list[int], temperature: float = 0.
     m.num_lookahead_slots = k
     proposals = SpeculativeProposals(torch.tensor(ids), probs, torch.tensor(lens))
     return scorer_service_pb2.ScoreProposalsRequest(
-        request=m, proposals=wire.proposals_to_proto(proposals))
+        request=m, proposals=codec.proposals_to_proto(proposals))
 
 
 def call(channel: grpc.Channel, raw: bytes, method: str = SCORE) -> tuple[grpc.StatusCode, str]:

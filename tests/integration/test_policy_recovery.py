@@ -1,6 +1,6 @@
 """A stack started while busy loops hold every core, then left alone, speculates as one
 started on the idle machine does (issue 20): its services re-measure their start-up tables
-while idle (specdecode.recalibration), the orchestrator adopts them (cost_refresh), and its
+while idle (specdecode.serving.recalibration), the orchestrator adopts them (cost_refresh), and its
 chosen k matches the idle-started stack's within 60 s of the load ending.
 
 Three real processes per stack: a tiny random target without attention (its next token

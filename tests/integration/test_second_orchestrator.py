@@ -9,7 +9,7 @@ by cell. The second orchestrator's first steps come during that re-measurement. 
 calls used to wait for the calibration cell being timed, and the policy, which learns what
 drafting and verifying cost from its first speculative step, learned them up to 20x dearer
 than they are and decoded plainly from then on. Now a call stops the cell at its next module
-(specdecode.model_access).
+(specdecode.serving.model_access).
 
 Real processes on 127.0.0.1. The pair is test_policy_recovery's kind: a target whose later
 layers add nothing, drafted for by its first layer, so every proposal is accepted; its layers

@@ -11,9 +11,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
-from specdecode import logs, tracing
+from specdecode.telemetry import logs, tracing
 from specdecode.errors import InvalidRequestError
-from specdecode.server import Deferred, ServerTracing, map_errors
+from specdecode.serving.server import Deferred, ServerTracing, map_errors
 
 SAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 UNSAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
@@ -72,11 +72,11 @@ def test_server_spans_continue_the_callers_trace(exporter, start_traces):
     handler = logging.Handler()
     handler.addFilter(logs.TraceContextFilter())
     handler.emit = records.append
-    logging.getLogger("specdecode.server").addHandler(handler)
+    logging.getLogger("specdecode.serving.server").addHandler(handler)
     try:
         asyncio.run(_calls(start_traces))
     finally:
-        logging.getLogger("specdecode.server").removeHandler(handler)
+        logging.getLogger("specdecode.serving.server").removeHandler(handler)
     (failed,) = [r for r in records if r.getMessage() == "_Echo.Unary failed"]
     assert failed.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"  # the log line is in the trace
     spans = exporter.get_finished_spans()

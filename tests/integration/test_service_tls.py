@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specdecode.tls import TlsFiles
+from specdecode.serving.tls import TlsFiles
 from specdecode_stack.local import free_port, wait_process_serving
 from tests.support.certs import TestCA
 
@@ -51,4 +51,4 @@ def test_tls_without_client_certificates_is_explicit_and_warned(pki):
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 0
-    assert "WARNING specdecode.tls serving TLS without client certificates" in err
+    assert "WARNING specdecode.serving.tls serving TLS without client certificates" in err

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdecode.api.client import SpecDecodeClient
-from specdecode.models import load_model, load_tokenizer
+from specdecode.models.checkpoints import load_model, load_tokenizer
 from specdecode_stack.local import LocalStack, StackConfig
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is"]

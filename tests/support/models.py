@@ -6,10 +6,10 @@ import torch
 
 from orchestrator.engine.core import SpecDecodeEngine
 from orchestrator.engine.request import Request
-from specdecode.model_runner import ModelRunner
+from specdecode.executor.model_runner import ModelRunner
 from specdecode.sequence import SamplingParams
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
-from specdecode.worker import ModelWorker
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.executor.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
 
 CPU = torch.device("cpu")

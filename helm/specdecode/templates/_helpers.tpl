@@ -195,7 +195,7 @@ Native gRPC probes against grpc.health.v1.Health. Call with (dict "root" $ "valu
     command:
       - python
       - -m
-      - specdecode.probe
+      - specdecode.serving.probe
       - --address
       - {{ printf "127.0.0.1:%v" $.values.port | quote }}
       - --server-name

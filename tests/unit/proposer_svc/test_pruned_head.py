@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from proposer_svc.pruned_head import PrunedLMHead, frequency_order, prune_lm_head
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 
 def test_pruned_head_scores_the_subset_and_minus_inf_elsewhere(draft_model):

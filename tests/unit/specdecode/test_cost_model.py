@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.cost_model import ForwardCosts, calibrate, cheaper_scoring, verify_seconds
+from specdecode.cost_model import ForwardCosts, cheaper_scoring, verify_seconds
+from specdecode.executor.calibration import calibrate
 from specdecode.errors import InvalidRequestError
 from specdecode.model_info import ModelInfo
-from specdecode.model_runner import ModelRunner
-from specdecode.wire import model_info_from_proto, model_info_to_proto
+from specdecode.executor.model_runner import ModelRunner
+from specdecode.wire.codec import model_info_from_proto, model_info_to_proto
 from tests.support.adaptive import ROWS, TOKENS, table
 from tests.support.models import CPU
 

@@ -12,7 +12,7 @@ from proposer_svc.pruned_head import PrunedLMHead
 from scorer_svc.auto import AutoScorer
 from specdecode.cost_model import ForwardCosts
 from specdecode.sequence import SamplingParams
-from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 from specdecode_stack.inprocess import build_inprocess_engine
 from tests.support.adaptive import MAX_TOKENS, PROMPTS, TOKENS, policy
 from tests.support.chi_square import chi_square_pvalue

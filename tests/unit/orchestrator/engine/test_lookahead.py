@@ -202,8 +202,8 @@ def test_a_full_draft_pool_drafts_nothing_ahead_rather_than_evict(draft_model):
     40 tokens would evict it, so that call proposes nothing. The same call in lockstep
     proposes (the pool then evicts, as it always may), and a lookahead that fits drafts."""
     from proposer_svc.draft import DraftModelProposer
-    from specdecode.model_runner import ModelRunner, RunnerRow
-    from specdecode.worker import ModelWorker
+    from specdecode.executor.model_runner import ModelRunner, RunnerRow
+    from specdecode.executor.worker import ModelWorker
 
     runner = ModelRunner(draft_model, torch.device("cpu"), kv_cache_memory=100 * 1024 // 2)
     assert runner.pool.capacity_tokens == 96

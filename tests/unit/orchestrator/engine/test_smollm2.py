@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.models import load_model, load_tokenizer
+from specdecode.models.checkpoints import load_model, load_tokenizer
 from tests.support.models import greedy_request, make_engine
 
 PROMPTS = [

@@ -179,7 +179,7 @@ def test_a_table_measured_under_load_does_not_lock_speculation_off(monkeypatch):
 
 
 def test_a_remeasured_table_replaces_the_policys():
-    """The service re-measured its table while idle (specdecode.recalibration): the next
+    """The service re-measured its table while idle (specdecode.serving.recalibration): the next
     plan prices with it, and what was learned against the old table is forgotten."""
     busy, true = fp32_tables(3.0), fp32_tables()
     p = SpeculationPolicy(8, scorer_costs=busy[0], draft_costs=busy[1], prior=0.95)
@@ -298,7 +298,7 @@ def test_every_k_has_a_reason():
 def test_the_step_carries_the_reasons_and_the_predicted_speedup():
     """On the step's statistics, so on its span and in /metrics (orchestrator.engine.step_metrics:
     specdecode_chosen_k's reason label, specdecode_predicted_speedup)."""
-    from specdecode.tiny_models import TinyModelSpec, build_tiny_model
+    from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
     from orchestrator.engine.request import Request
     from specdecode.sequence import SamplingParams
     from specdecode_stack.inprocess import build_inprocess_engine

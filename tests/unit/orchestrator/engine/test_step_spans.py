@@ -11,7 +11,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
-from specdecode import logs, tracing
+from specdecode.telemetry import logs, tracing
 from tests.support.models import greedy_request, make_engine
 
 

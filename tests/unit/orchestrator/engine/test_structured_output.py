@@ -17,9 +17,9 @@ from scorer_svc.methods import make_scorer
 from specdecode.grammar.matcher import Grammars
 from specdecode.grammar.spec import StructuredOutput
 from specdecode.interfaces import SpeculativeProposals, SpeculativeProposer
-from specdecode.model_runner import ModelRunner
+from specdecode.executor.model_runner import ModelRunner
 from specdecode.sequence import SamplingParams
-from specdecode.worker import ModelWorker
+from specdecode.executor.worker import ModelWorker
 from specdecode_stack.inprocess import build_inprocess_engine
 from tests.structured import (DRAFT, EOS, TARGET, VOCAB, compiler, masked_pair_probs,
                               reference_greedy, tiny, tokenizer)

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP API behind the gRPC API's bearer tokens (specdecode.auth)."""
+"""The OpenAI HTTP API behind the gRPC API's bearer tokens (specdecode.serving.auth)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_http_api_takes_the_grpc_bearer_tokens(tmp_path):
     from orchestrator.frontend.admission import Admission
     from orchestrator.frontend.generation import Frontend
     from orchestrator.frontend.openai_api import create_app
-    from specdecode.auth import TokenSet
+    from specdecode.serving.auth import TokenSet
 
     (tmp_path / "tokens").write_text("# clients\nsecret-1\n")
     app = create_app(Frontend(Admission(1, 0)), TokenSet(str(tmp_path / "tokens")))

@@ -114,6 +114,6 @@ def test_the_template_overhead_is_measured_from_the_tokenizer():
     """SmolLM2's template adds "<|im_start|>user\\n<|im_end|>\\n" per message: 5 tokens
     (4 counted: the bound stays below what renders), 28 bytes."""
     from orchestrator.frontend.chat_template import message_overhead
-    from specdecode.models import load_tokenizer
+    from specdecode.models.checkpoints import load_tokenizer
     assert message_overhead(load_tokenizer(None)) == (4, 28)
     assert message_overhead(None) == (1, 0)

@@ -1,0 +1,122 @@
+"""Row-invariant operators (specdecode.executor.invariant_ops, InvariantSdpaBackend): a row's
+bits do not depend on the rows or queries that share its call. Random data at real models' shapes
+(SmolLM2's and Qwen2.5-1.5B's attention and MLP widths), bf16 and float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
+from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend
+from specdecode.executor.invariant_ops import (ROW_TILE, RowTiledLinear, is_row_invariant,
+                                               make_row_invariant, tiled_linear)
+from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
+
+CPU = torch.device("cpu")
+DTYPES = [torch.bfloat16, torch.float32]
+SHAPES = [(576, 1536), (1536, 576), (1536, 8960), (8960, 1536)]  # (in, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_tiled_row_is_the_same_bits_alone_and_among_any_number_of_rows(dtype, shape):
+    """Every M from 1 to 3 tiles and past: each row equals that row computed alone. The
+    plain matmul on this CPU changes kernels with M (docs/benchmarks.md, Invariant
+    numerics); the tiled one always runs ROW_TILE rows."""
+    K, N = shape
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    x = torch.randn(3 * ROW_TILE + 5, K, generator=gen).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([tiled_linear(x[i:i + 1], weight, bias) for i in range(len(x))])
+        for M in (2, 5, ROW_TILE, ROW_TILE + 1, 2 * ROW_TILE + 3, len(x)):
+            assert torch.equal(tiled_linear(x[:M], weight, bias), alone[:M]), M
+        # A row's place inside its tile does not matter either (the batch puts it anywhere).
+        assert torch.equal(tiled_linear(x[7:7 + ROW_TILE + 2], weight, bias), alone[7:ROW_TILE + 9])
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_a_row_tiled_linear_is_row_invariant_and_computes_what_tiles_of_f_linear_do(shape):
+    """bf16 on a CPU with bf16 units: the weight packed once for the tile gives F.linear's
+    bits on the same tiles; replacing the weight repacks it."""
+    K, N = shape
+    torch.manual_seed(0)
+    layer = nn.Linear(K, N, dtype=torch.bfloat16)
+    make_row_invariant(layer)
+    x = torch.randn(2 * ROW_TILE + 3, K, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        assert torch.equal(out, tiled_linear(x, layer.weight, layer.bias))
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        assert torch.equal(out, alone)
+        layer.weight = nn.Parameter(layer.weight * 2, requires_grad=False)
+        assert torch.equal(layer(x), tiled_linear(x, layer.weight, layer.bias))
+
+
+def test_tiled_linear_keeps_leading_dimensions_and_empty_inputs():
+    weight, x = torch.randn(8, 4), torch.randn(2, 3, 4)
+    out = tiled_linear(x, weight)
+    assert out.shape == (2, 3, 8)
+    torch.testing.assert_close(out, F.linear(x, weight))
+    assert tiled_linear(torch.randn(0, 4), weight).shape == (0, 8)
+
+
+def test_make_row_invariant_converts_linears_in_place_and_keeps_the_weights():
+    model = build_tiny_model(TinyModelSpec(seed=1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert make_row_invariant(model) == linears > 0
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    assert is_row_invariant(model.lm_head) and is_row_invariant(model.model.layers[0].mlp.up_proj)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert make_row_invariant(model) == 0  # already converted
+
+
+@pytest.mark.parametrize("prune_first", [True, False])
+def test_a_pruned_draft_head_stays_row_invariant_whichever_comes_first(prune_first):
+    """The proposer prunes its head after the runner made the model row-invariant; the
+    in-process engine prunes first. Either way the pruned head computes through a
+    RowTiledLinear."""
+    model = build_tiny_model(TinyModelSpec(seed=2, num_layers=1))
+    if prune_first:
+        prune_lm_head(model, None, 64)
+        make_row_invariant(model)
+    else:
+        make_row_invariant(model)
+        prune_lm_head(model, None, 64)
+    assert isinstance(model.lm_head, PrunedLMHead) and is_row_invariant(model.lm_head.proj)
+    assert isinstance(model.lm_head.proj, RowTiledLinear)
+
+
+def attention_setup(dtype, kv_heads: int, groups: int, D: int, length: int):
+    gen = torch.Generator().manual_seed(0)
+    backend = InvariantSdpaBackend()
+    kv = backend.allocate(1, kv_heads, 64, D, dtype, CPU)[0]  # [2, kv_heads, 64, D]
+    kv[:, :, :length] = torch.randn(2, kv_heads, length, D, generator=gen).to(dtype)
+    q = torch.randn(length, kv_heads * groups, D, generator=gen).to(dtype)
+    return backend, kv, q
+
+
+def attend(backend, kv, q, queries: int, kv_len: int, groups: int) -> torch.Tensor:
+    """The last `queries` positions before kv_len as one row of one call."""
+    batch = AttnBatch([0, queries], [0], [kv_len], torch.zeros(0, dtype=torch.long), None)
+    backend.prepare(batch, groups, CPU)
+    return backend.attend(q[kv_len - queries:kv_len], kv, batch, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(3, 3, 64), (2, 6, 128)])  # SmolLM2, Qwen2.5-1.5B
+def test_a_query_of_a_verify_or_a_prefill_attends_as_its_decode_would(dtype, heads):
+    kv_heads, groups, D = heads
+    length = 37
+    backend, kv, q = attention_setup(dtype, kv_heads, groups, D, length)
+    decode = torch.cat([attend(backend, kv, q, 1, p + 1, groups) for p in range(length)])
+    for n in (2, 5, 9):  # a verify of k+1 = n queries
+        assert torch.equal(attend(backend, kv, q, n, length, groups), decode[length - n:]), n
+    assert torch.equal(attend(backend, kv, q, length, length, groups), decode)  # a prefill
+    assert torch.equal(attend(backend, kv, q, 16, 20, groups), decode[4:20])  # a chunk
