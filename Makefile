@@ -35,4 +35,5 @@ test-slow: tools
 
 bench: setup
 	$(PIP) -e '.[test,bench]'
-	$(PY) bench/engine_bench.py
+	$(PY) bench/executor_bench.py decode
+	$(PY) bench/executor_bench.py scoring

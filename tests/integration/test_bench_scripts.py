@@ -16,11 +16,11 @@ from tests.support.paths import ROOT
 
 
 @pytest.mark.slow  # ~25 s; the plans it prints are the policy's, tested in tests/unit
-def test_policy_trace_prints_every_steps_plan_and_the_cost_tables():
+def test_policy_trace_prints_every_steps_plan_and_the_cost_tables(tmp_path):
     r = subprocess.run(
-        [sys.executable, "bench/policy_trace.py", "--pair", "tiny", "--max-tokens", "16",
-         "--dtype", "float32"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=300)
+        [sys.executable, "bench/policy_bench.py", "trace", "--pair", "tiny", "--max-tokens", "16",
+         "--dtype", "float32", "--out", str(tmp_path / "trace.json")], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = re.findall(r"^\s*\d+ k=\[\d+\] .*\| draft x[\d.]+ catch-up x", r.stdout, re.M)
     assert len(steps) >= 4  # 16 tokens: a prompt step, then at least 3 more
@@ -75,9 +75,10 @@ def test_adaptive_bench_runs_a_stack_started_under_load(tmp_path):
 
 def run_ceiling(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     r = subprocess.run(
-        [sys.executable, "bench/ceiling.py", "--pair", "tiny", "--dtype", "float32", "--classes",
-         "copy", "--widths", "1-3", "--repeats", "1", "--vocab", "128", "--max-tokens", "6",
-         "--tokens", "6,12", "--alphas", "1.0,0.9", "--results", str(tmp_path), *args], cwd=ROOT,
+        [sys.executable, "bench/policy_bench.py", "ceiling", "--pair", "tiny", "--dtype", "float32",
+         "--classes", "copy", "--widths", "1-3", "--repeats", "1", "--vocab", "128",
+         "--max-tokens", "6", "--tokens", "6,12", "--alphas", "1.0,0.9", "--results", str(tmp_path),
+         *args], cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads((tmp_path / "ceiling_float32_native.json").read_text())

@@ -3,7 +3,7 @@ and verify compiled with fullgraph=True (a graph break fails the runner's constr
 batch bucket 4 (every bucket under -m slow: compiling costs ~25 s a graph on CI's 2 cores),
 compiled against eager logits and greedy tokens, padding rows, no recompilation across row
 lengths, speculative decoding through the compiled target and draft equal to target-only
-greedy decoding, and bench/device_check.py on CPU. One inductor cache for the module: the
+greedy decoding, and bench/device_bench.py check on CPU. One inductor cache for the module: the
 later runners' graphs of the same shapes reuse the first's kernels."""
 
 from __future__ import annotations
@@ -101,11 +101,12 @@ def run_bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_device_check_on_cpu_goes_through_the_compiled_forwards():
+def test_device_check_on_cpu_goes_through_the_compiled_forwards(tmp_path):
     """The device check a lent GPU runs, at CI size: draft speculation with multi-query
     scoring, compiled (its forwards counted) and eager, both equal to the reference."""
-    r = run_bench("bench/device_check.py", "--device", "cpu", "--buckets", "4", "--configs",
-                  "draft:multi-query:4", "--max-tokens", "8")
+    r = run_bench("bench/device_bench.py", "check", "--device", "cpu", "--buckets", "4",
+                  "--configs", "draft:multi-query:4", "--max-tokens", "8", "--out",
+                  str(tmp_path / "device_check.json"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     compiled = re.search(r"draft\s*│\s*multi-query\s*│\s*4\s*│\s*compiled\s*│\s*(\d+)\s*│\s*yes",
                          r.stdout)
@@ -116,8 +117,8 @@ def test_device_check_on_cpu_goes_through_the_compiled_forwards():
 @pytest.mark.slow
 def test_gpu_bench_runs_compiled_on_cpu_at_small_shapes(tmp_path):
     out = tmp_path / "gpu_bench.json"
-    r = run_bench("bench/gpu_bench.py", "--small", "--device", "cpu", "--dtype", "float32",
-                  "--batches", "1", "--max-tokens", "8", "--prompt-len", "16", "--buckets", "1",
+    r = run_bench("bench/device_bench.py", "gpu", "--small", "--device", "cpu", "--dtype",
+                  "float32", "--batches", "1", "--max-tokens", "8", "--prompt-len", "16", "--buckets", "1",
                   "--out", str(out), timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(out.read_text())["rows"][0]["what"] == "target-only"

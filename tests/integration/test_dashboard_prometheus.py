@@ -1,6 +1,6 @@
 """The dashboard against a real Prometheus scraping `specdecode up --metrics-port P`
-(bench/dashboard_check.py on the tiny pair): `up` prints each server's address and metrics
-port and little else; every panel's query returns finite data while the stack speculates,
+(bench/telemetry_bench.py dashboard on the tiny pair): `up` prints each server's address and
+metrics port and little else; every panel's query returns finite data while the stack speculates,
 and the acceptance panels say "no speculation" (their NaN mapping) while nothing is drafted."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_dashboard_query_has_data_in_a_real_prometheus():
-    r = subprocess.run([sys.executable, "bench/dashboard_check.py", "--pair", "tiny", "--max-tokens", "16"],
+    r = subprocess.run([sys.executable, "bench/telemetry_bench.py", "dashboard", "--pair", "tiny",
+                        "--max-tokens", "16"],
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

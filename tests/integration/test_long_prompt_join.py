@@ -9,7 +9,7 @@ import urllib.request
 
 import torch
 
-from bench.join_stream import BEFORE, stream_with_join
+from bench.harness import BEFORE, stream_with_join
 from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig
 from tests.support.references import reference_greedy

@@ -1,11 +1,11 @@
-"""bench/slowloris.py's drill at CI size, over real processes (the tiny pair, HTTP on
+"""bench/reliability_bench.py's slowloris drill at CI size, over real processes (the tiny pair, HTTP on
 127.0.0.1): connections that dribble a request head a byte a second are closed by the server
 at --http-header-timeout, and a neighbour's completions meanwhile all succeed. Bounds on
 events, not speeds: no latency ratio is asserted (the bench reports it)."""
 
 from __future__ import annotations
 
-from bench.slowloris import IDS, Closes, drill
+from bench.reliability_bench import IDS, Closes, drill
 from specdecode_stack.local import LocalStack, StackConfig, free_port
 
 CONNECTIONS = 20

@@ -1,4 +1,4 @@
-"""bench/soak.py at CI size (60 s, the tiny pair, a 3 s stream write timeout): mixed greedy
+"""bench/reliability_bench.py soak at CI size (60 s, the tiny pair, a 3 s stream write timeout): mixed greedy
 and sampled streams at concurrency 8, 10% cancelled by their clients mid-stream, 5% never
 read, the scorer restarted once: no error beyond the clients' own cancels, every never-read
 stream cancelled by the server, and no sequence held anywhere afterwards. Two minutes with
@@ -16,7 +16,7 @@ from tests.support.benches import run_bench
 @pytest.mark.slow
 def test_soak_bench_at_ci_size(tmp_path):
     out = tmp_path / "soak.json"
-    run_bench("bench/soak.py", "--model", "tiny", "--duration", "60", "--write-timeout", "3",
+    run_bench("bench/reliability_bench.py", "soak", "--model", "tiny", "--duration", "60", "--write-timeout", "3",
               "--out", str(out), timeout=900)
     result = json.loads(out.read_text())
     assert result["errors"] == 0, result["error_samples"]

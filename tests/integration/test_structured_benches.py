@@ -11,7 +11,7 @@ from tests.support.benches import run_bench
 
 def test_structured_bench_compares_speculation_and_the_defaults_with_k0_on_the_tiny_pair(tmp_path):
     out = tmp_path / "structured.json"
-    run_bench("bench/structured_bench.py", "--pair", "tiny", "--dtype", "float32", "--ks", "2",
+    run_bench("bench/structured_bench.py", "speculation", "--pair", "tiny", "--dtype", "float32", "--ks", "2",
               "--max-tokens", "24", "--repeats", "1", "--out", str(out))
     rows = {row["k"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {0, 2, "defaults", "defaults k=0"}
@@ -24,8 +24,9 @@ def test_structured_bench_compares_speculation_and_the_defaults_with_k0_on_the_t
 
 def test_grammar_engines_bench_measures_the_chosen_engine(tmp_path):
     out = tmp_path / "engines.json"
-    r = run_bench("bench/grammar_engines.py", "--tokenizers", "smollm2", "--engines", "llguidance",
+    r = run_bench("bench/structured_bench.py", "engines", "--tokenizers", "smollm2", "--engines",
+                  "llguidance",
                   "--repeats", "1", "--out", str(out))
-    (row,) = json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["rows"]
     assert row["engine"] == "llguidance" and row["mask_us_median"] > 0
     assert "llguidance" in r.stdout

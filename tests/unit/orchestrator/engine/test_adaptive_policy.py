@@ -318,7 +318,7 @@ def test_a_fresh_servers_first_request_probes_at_its_first_decode_step():
 
 
 def test_ngram_copy_on_avx2_costs_speculates_k2_from_its_first_proposal():
-    """bench13's AVX2-bf16 forwards (bench/ceiling.py: a verify of 2, 3, 5, 9 tokens costs
+    """bench13's AVX2-bf16 forwards (bench/policy_bench.py ceiling: a verify of 2, 3, 5, 9 tokens costs
     1.48, 1.96, 3.66, 6.49 decodes): on a copy task k = 2 is the best k (1.53x a decode's
     tokens per second, k = 1 1.35x). A copy request's n-gram finds nothing for its first
     two proposals (the answer's first tokens are not in the prompt yet), then everything is
