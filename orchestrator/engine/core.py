@@ -20,17 +20,17 @@ the others (see specdecode.telemetry.tracing.step_span). `trace_every` keeps eve
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import itertools
 import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from orchestrator.engine import deadlines
+from orchestrator.engine.draft_warming import DraftWarming
 from orchestrator.engine.lookahead import Lookahead
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
 from orchestrator.engine.overlap import OverlapPipeline, Planned
@@ -113,8 +113,7 @@ class SpecDecodeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
         self.grammars = grammars
-        self.share_cores = share_cores
-        self._warmer: ThreadPoolExecutor | None = None  # chunks' draft calls (_warm_draft)
+        self.warming = DraftWarming(lambda req: self.proposer.get_proposals(req), share_cores)
         # One proposer call at a time: the step's, the overlap's and the lookahead's threads
         # share it (an in-process proposer is not thread-safe; a service serialises anyway).
         self._proposing = threading.Lock()
@@ -210,7 +209,7 @@ class SpecDecodeEngine:
         stats.verify_s = time.perf_counter() - start - stats.propose_s - stats.score_s
         ran = k > 0 and not proposals.fallback  # the proposer read every sequence
         outputs = self._postprocess(batch, plan, proposals, scores, emitted, passed,
-                                    (ran, self._warmed(batch, ran, warming)), stats)
+                                    (ran, self.warming.warmed(batch.rows, ran, warming)), stats)
         self._settle_ahead(stats)
         stats.total_s = time.perf_counter() - start
         stats.observe_services({role: step_stats(counters[role], after, stats.total_s)
@@ -322,9 +321,9 @@ class SpecDecodeEngine:
         """The step's proposals, and the background call that warms a draft model's KV
         state for the prompt chunks when nobody speculates (a step of its own would cost
         decoders a proposer round trip more: 3x a decode step on small models)."""
-        k, warm = req.num_lookahead_slots, self._to_warm(batch)
+        k, warm = req.num_lookahead_slots, self.warming.rows(batch.rows)
         if batch.planned is None and k == 0:
-            warming = self._warm_draft(req, warm) if warm and self.k else None
+            warming = self.warming.send(req, warm) if warm and self.k else None
             proposals = SpeculativeProposals.none(len(batch.rows))
         else:
             warming = None
@@ -340,44 +339,6 @@ class SpecDecodeEngine:
             with deadlines.bounded_by(self._deadline(rest) if rest else None):
                 self.pipeline.prefetch(rest)
         return proposals, warming
-
-    def _warmed(self, batch: Batch, ran: bool, warming: Future | None) -> set[int]:
-        """Rows whose prompt (or chunk) the draft computed beside this step's scoring call:
-        the chunks riding along the proposer's call, or those `_warm_draft` sent."""
-        if ran:
-            return set(batch.chunks)
-        return set(self._to_warm(batch)) if warming is not None else set()
-
-    def _to_warm(self, batch: Batch) -> list[int]:
-        """Rows whose prompt the draft computes beside the scorer's: chunks, and where the
-        services share no cores whole prompts too -- on two hosts the draft's prefill then
-        costs nothing, where it followed the target's (a 97-token prompt: 1.95 s, then the
-        draft's catch-up 0.68 s, 41% of a 32-token request)."""
-        return [i for i, (seq, chunk) in enumerate(batch.rows)
-                if chunk is not None or not self.share_cores and not seq.decoding]
-
-    def _warm_draft(self, req: ExecuteModelRequest, chunks: list[int]) -> Future:
-        """Send the prompt chunks (rows `chunks` of req) to the proposer (k = 0: a draft
-        model computes their KV state): in the background, in this thread's context
-        (deadline, trace), where the services have cores of their own; else now (the
-        Future returned is done).
-        Two forwards on the same cores slow each other far more than running one after
-        the other costs: on 2 shared cores a 16-token chunk's step took ~80 ms beside the
-        draft's, ~12 ms after it (the long-prompt join, tests/integration)."""
-        warm = ExecuteModelRequest([req.seq_group_metadata_list[i] for i in chunks])
-
-        def call() -> None:
-            with tracing.child_span("propose", {"specdecode.batch_size": len(chunks),
-                                                  "specdecode.k": 0}):
-                self.proposer.get_proposals(warm)
-
-        if self.share_cores:
-            done: Future = Future()
-            done.set_result(call())
-            return done
-        if self._warmer is None:
-            self._warmer = ThreadPoolExecutor(1, thread_name_prefix="draft-chunks")
-        return self._warmer.submit(contextvars.copy_context().run, call)
 
     # score
 

@@ -23,7 +23,23 @@ from dataclasses import dataclass, field
 
 from specdecode.cost_model import ForwardCosts
 
+DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
+IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
+GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
 EXPLORE_FIRST = 8  # a sequence's plain steps before its first exploratory step
+EXPLORE_MAX = 256  # the wait between a sequence's explorations doubles up to this
+EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
+EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its requests have left
+# ... or of the plain time decoded on unchecked tables so far, across requests, up to a share
+# of what the requests have left (a table whose verify cells read 3x dear priced every first
+# exploration of a 32-token request over its 3%: a stack serving short requests decoded
+# plainly for good)
+EXPLORE_UNCHECKED_SHARE, EXPLORE_REQUEST_CAP = 0.1, 0.25
+EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
+# when the tables say fully accepted speculation would run this much faster, within
+# EXPLORE_REQUEST_CAP of what its request has left (within 3%, fp32's first request on a
+# fresh stack, priced at the start-up prior on the dear 3-token verify, waited 11 of its 32
+# steps: 0.84x fixed k=8 on code)
 PRIOR_WEIGHT = 2.0  # pseudo-trials of the prior in a sequence's estimate, at least ...
 PRIOR_WEIGHT_MAX = 16.0  # ... and at most, as alike as ended sequences accepted (PriorWeight)
 PRIOR_SEQS = 3  # ended sequences before their spread sets the weight ...

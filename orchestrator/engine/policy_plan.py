@@ -7,6 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Why a sequence got its k. k > 0: speculate (the costs say it pays), explore (measuring
+# them), fixed (--speculation fixed). k = 0: capped (a prompt step, a request's own 0, or
+# its last token), low_acceptance, no_match (an n-gram finding nothing), verify_too_dear
+# (even full acceptance would not pay); on tables no speculative step has checked yet,
+# exploration_pending (one is to come) or no_budget (it was due but would cost more than
+# its budget).
+REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
+           "verify_too_dear", "no_budget", "exploration_pending")
+
+
 @dataclass
 class Candidate:
     """One sequence as the policy sees it this step."""

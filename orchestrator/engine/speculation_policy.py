@@ -2,37 +2,25 @@
 per second, from each sequence's running acceptance estimate and the measured forward costs
 of the draft and the target (docs/design.md, adaptive speculation).
 
-A step's cost is shared by the whole batch: the draft's forwards (each over the sequences
-still drafting), one target forward as wide as the batch's longest proposal plus one
-(multi-query; batch expansion feeds sum(k_i + 1) rows), priced over the distribution of
-proposal lengths (orchestrator.engine.policy_estimates), plus the RPC and bookkeeping time
-measured from earlier steps. The batch's k is chosen jointly: every sequence at K (or its
-cap), leaving out the sequences least likely to gain when that pays. k = 0 for every
-sequence skips the proposer and is plain decoding, so the policy never picks speculation
-that its costs say does not pay. Only widths the scorer's table measured are priced.
-
-Acceptance is learned per sequence from what verification accepted (decayed counts), blended
-with the running acceptance of all sequences as a prior (weighed as alike as ended sequences
-accepted: policy_estimates.PriorWeight); a sequence speculates at most four
-times the draft tokens it has itself had accepted (at least 2), and never beyond what it may
-still emit. A draft model's catch-up (the tokens it missed while the sequence decoded
-plainly) is priced at its real width and spread over the speculative steps the request has
-left.
+A step's cost is shared by the batch: the draft's forwards, one target forward as wide as
+the longest proposal plus one (batch expansion: sum(k_i + 1) rows), priced over the
+distribution of proposal lengths (orchestrator.engine.policy_estimates), plus the RPC and
+bookkeeping measured from earlier steps; k is chosen jointly, and k = 0 for all (plain
+decoding, no proposer call) whenever the costs say speculation does not pay. Acceptance is
+learned per sequence (decayed counts) over the all-sequences prior (weighed as alike as
+ended sequences accepted: PriorWeight); a sequence speculates at most four times the draft
+tokens it had accepted (at least 2), never beyond what it may still emit; a draft's
+catch-up is priced at its real width and spread over the speculative steps left.
 
 The tables are mended by what the steps take, each correction a ratio of whole times and a
 running median (docs/design.md, *Noisy hosts and thin evidence*): the scoring call's RPC,
 the host's scale from plain steps, each verify width's shape over it, the draft's factors.
 A table taken on a busy host must not lock speculation off: when plain steps move the
-host's scale by HOST_DRIFT, unmeasured draft factors follow, the tables count as unchecked
-and every sequence is due for exploration; while plain decoding is chosen the most
-promising speculative plan runs now and then (a sequence after 8 of its plain steps, then
-16, ... 256; at once after a fresh table when full acceptance would pay well, within a
-quarter of the plain time its request has left; else within 3% of it -- or 10% of the plain
-time decoded on the unchecked tables so far, up to a quarter --, later 2% of its own); a
-sequence that has speculated decodes plainly only when speculation would not pay at one
-posterior standard deviation above its acceptance; the services re-measure their tables
-while idle (specdecode.serving.recalibration) and a newer table replaces the policy's
-(update_table).
+host's scale by HOST_DRIFT, unmeasured draft factors follow and the tables count as
+unchecked; while plain decoding is chosen the most promising speculative plan runs now and
+then, within a budget of the plain time (policy_estimates' EXPLORE_* constants); the
+services re-measure their tables while idle (specdecode.serving.recalibration) and a newer
+table replaces the policy's (update_table).
 
 Every plan says why (Plan.reasons, per sequence: REASONS) and its predicted speed-up over
 plain decoding.
@@ -43,8 +31,13 @@ from __future__ import annotations
 import threading
 
 from orchestrator.engine.lookahead_pricing import LookaheadPricing
-from orchestrator.engine.policy_plan import Candidate, Plan, horizon, rate, steady_rate
-from orchestrator.engine.policy_estimates import (EXPLORE_FIRST, Acceptance, Learned,
+from orchestrator.engine.policy_plan import (REASONS, Candidate, Plan, horizon, rate,
+                                             steady_rate)
+from orchestrator.engine.policy_estimates import (DECAY, EXPLORE_AT_ONCE_GAIN, EXPLORE_FIRST,
+                                                  EXPLORE_FIRST_SHARE, EXPLORE_MAX,
+                                                  EXPLORE_REQUEST_CAP, EXPLORE_SHARE,
+                                                  EXPLORE_UNCHECKED_SHARE, GLOBAL_DECAY,
+                                                  IDLE_DECAY, Acceptance, Learned,
                                                   PriorWeight, draft_seconds, expected_tokens,
                                                   factor_of, length_pmf, point_pmf,
                                                   trusted_limits, verify_extra, verify_width)
@@ -52,39 +45,15 @@ from specdecode.cost_model import ForwardCosts, verify_seconds
 
 __all__ = ["Candidate", "Plan", "REASONS", "SpeculationPolicy", "expected_tokens"]
 
-DECAY = 0.8  # weight of a sequence's earlier evidence after each speculative step
-IDLE_DECAY = 0.98  # ... after each step without a proposal (half-life ~34 steps)
-GLOBAL_DECAY = 0.98  # the all-sequences prior, per speculative sequence-step
 # A sequence that has speculated decodes plainly only when speculation would not pay even
 # at this many posterior standard deviations above its mean acceptance (two early
 # rejections at 75% kept one plain for good; docs/design.md, *Noisy hosts*).
 OPTIMISM = 1.0
 EXTRA_MIN = 0.25  # a verify's cost beyond a decode, in decodes, that a correction may scale
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
-EXPLORE_MAX = 256  # the wait between a sequence's explorations doubles up to this
-EXPLORE_SHARE = 0.02  # an exploration's predicted loss: at most this share of the plain time
-EXPLORE_FIRST_SHARE = 0.03  # ... the first on a table's: of the plain time its requests have left
-# ... or of the plain time decoded on unchecked tables so far, across requests, up to a share
-# of what the requests have left (a table whose verify cells read 3x dear priced every first
-# exploration of a 32-token request over its 3%: a stack serving short requests decoded
-# plainly for good)
-EXPLORE_UNCHECKED_SHARE, EXPLORE_REQUEST_CAP = 0.1, 0.25
-EXPLORE_AT_ONCE_GAIN = 1.5  # after a fresh table, explore at a sequence's first decode step
-# when the tables say fully accepted speculation would run this much faster, within
-# EXPLORE_REQUEST_CAP of what its request has left (within 3%, fp32's first request on a
-# fresh stack, priced at the start-up prior on the dear 3-token verify, waited 11 of its 32
-# steps: 0.84x fixed k=8 on code)
 HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
 NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
 
-# Why a sequence got its k. k > 0: speculate (the costs say it pays), explore (measuring
-# them), fixed (--speculation fixed). k = 0: capped (a prompt step, a request's own 0, or
-# its last token), low_acceptance, no_match (an n-gram finding nothing), verify_too_dear
-# (even full acceptance would not pay); on tables no speculative step has checked yet,
-# exploration_pending (one is to come) or no_budget (it was due but would cost more than
-# its budget).
-REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
-           "verify_too_dear", "no_budget", "exploration_pending")
 
 
 class SpeculationPolicy:

@@ -88,7 +88,7 @@ def test_a_chunks_draft_call_runs_beside_scoring_only_on_cores_of_its_own(long_m
     the chunk's draft call runs beside scoring on shared cores, or never runs at all."""
     target, draft, _ = long_models
     engine = make_engine(target, draft, "batch-expansion", 3)
-    engine.max_num_batched_tokens, engine.share_cores = 128, share_cores
+    engine.max_num_batched_tokens, engine.warming.share_cores = 128, share_cores
     calls = []  # (role, thread name, start, end)
 
     def recorded(role, fn):

@@ -231,7 +231,7 @@ def test_on_two_hosts_the_draft_computes_the_prompt_beside_the_target(target_mod
     the target's prefill): it reads the prompt at its first speculative step."""
     engine = build_inprocess_engine(target_model, near_copy(target_model, 0.05), "multi-query",
                                     2, async_drafting="on")
-    engine.share_cores = not apart
+    engine.warming.share_cores = not apart
     engine.ahead_pricing.contention = 0.0 if apart else 1.0
     for i, p in enumerate(PROMPTS):
         engine.add_request(greedy_request(str(i), p, 24))
