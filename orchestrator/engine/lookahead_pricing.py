@@ -15,9 +15,10 @@ lookahead drafts one token more per row (its guess of the target's); V: the scor
 the rest of the step. c is the contention: 0 when the two services run on different hosts
 or cores, 1 when they share cores (then every lookahead forward delays the verify beside it
 as much, and drafting ahead never pays: `auto` turns it off). a = the product over the
-speculating rows of alpha^n (n: the expected proposal length), h = a times beta^rows, beta
-how often the draft's guess was right when every proposal was accepted (learned from the
-lookaheads; alpha before any). In a steady state h is also the chance that the step before
+speculating rows of their chance that n proposals are all accepted (n: the expected
+proposal length; Rate.all_accepted), h = a times beta^rows, beta how often the draft's
+guess was right when every proposal was accepted (learned from the lookaheads; the later
+positions' acceptance before any). In a steady state h is also the chance that the step before
 hit, which is what saves this step's draft.
 
 The policy prices every plan it weighs both ways (so k is chosen for the cost that will
@@ -29,6 +30,8 @@ cores: there a lookahead adds at most the cancelled part of one forward to a mis
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from orchestrator.engine.policy_estimates import Rate
 
 AHEAD_GAIN = 1.01  # drafting ahead must beat lockstep by 1% (noise in the costs)
 DECAY = 0.95  # weight of earlier evidence of beta, per settled lookahead row
@@ -47,7 +50,7 @@ class LookaheadPricing:
         """How often the draft guesses the target's token after an all-accepted proposal."""
         return (self.right + PRIOR_WEIGHT * alpha) / (self.full + PRIOR_WEIGHT)
 
-    def price(self, plan, alphas: list[float], lens: list[float], step_s: float) -> None:
+    def price(self, plan, alphas: list[Rate], lens: list[float], step_s: float) -> None:
         """Price `plan` (its `seconds` and `draft_seconds` priced in lockstep) with drafting
         ahead too; keep the faster (`on`: drafting ahead) and mark it in plan.ahead.
         lens: each row's expected proposal length."""
@@ -58,8 +61,8 @@ class LookaheadPricing:
         accepted = hit = 1.0
         for alpha, n, k in zip(alphas, lens, plan.ks):
             if k:
-                accepted *= alpha ** n
-                hit *= alpha ** n * self.beta(alpha)
+                accepted *= alpha.all_accepted(n)
+                hit *= alpha.all_accepted(n) * self.beta(alpha.rest)
         V = max(plan.seconds - D - step_s, 0.0)
         plan.verify_seconds = V
         ahead_d = D * (K + 1) / K

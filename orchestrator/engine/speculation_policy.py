@@ -37,7 +37,7 @@ from orchestrator.engine.policy_estimates import (DECAY, EXPLORE_AT_ONCE_GAIN, E
                                                   EXPLORE_FIRST_SHARE, EXPLORE_MAX,
                                                   EXPLORE_REQUEST_CAP, EXPLORE_SHARE,
                                                   EXPLORE_UNCHECKED_SHARE, GLOBAL_DECAY,
-                                                  IDLE_DECAY, Acceptance, Learned,
+                                                  IDLE_DECAY, Acceptance, Learned, Rate,
                                                   PriorWeight, draft_seconds, expected_tokens,
                                                   factor_of, length_pmf, point_pmf,
                                                   trusted_limits, verify_extra, verify_width)
@@ -75,7 +75,8 @@ class SpeculationPolicy:
             draft_costs is not None or not draft_model)
         self.scoring = scoring
         self.seqs: dict[int, Acceptance] = {}
-        self.all = Acceptance(accepted=prior * 4, tried=4.0, continued=4.0, tested=4.0)
+        self.all = Acceptance(first_accepted=prior * 2, first_tried=2.0, later_accepted=prior * 2,
+                              later_tried=2.0, continued=4.0, tested=4.0)
         self.prior_weight = PriorWeight()  # the trials `all` counts in a sequence's estimate
         self.measure_overheads = measure_overheads
         self.lookahead = lookahead  # prices drafting ahead too (None: lockstep only)
@@ -152,8 +153,9 @@ class SpeculationPolicy:
         sure = 1.0
         if not any(best.ks) and any(caps):
             full = [min(cap, c.remaining - 1, widest) for cap, c in zip(caps, candidates)]
-            sure = max((steady_rate(evaluate([min(K, cap) for cap in full], [1.0] * len(est),
-                                              [1.0] * len(est))) / rate(plain)
+            certain, found = [Rate(1.0, 1.0)] * len(est), [1.0] * len(est)
+            sure = max((steady_rate(evaluate([min(K, cap) for cap in full], certain, found))
+                        / rate(plain)
                         for K in range(1, max(full, default=0) + 1)), default=1.0)
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
         chosen.speedup = rate(chosen) / rate(plain)
@@ -165,7 +167,7 @@ class SpeculationPolicy:
                     a.explore_after = min(a.explore_after, EXPLORE_FIRST)
         return chosen
 
-    def _search(self, limits: list[list[int]], alphas: list[float], rates: list[float],
+    def _search(self, limits: list[list[int]], alphas: list[Rate], rates: list[float],
                 evaluate) -> Plan | None:
         """The best plan with every sequence at K (or the most it may speculate up to K:
         limits[i][K]), K = 1 .. the largest cap, each also with the 1, 2, 4, ... sequences
@@ -174,7 +176,7 @@ class SpeculationPolicy:
         for K in range(1, max(len(lim) for lim in limits)):
             ks = [lim[min(K, len(lim) - 1)] for lim in limits]
             plan = evaluate(ks)
-            spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i] * rates[i])
+            spec = sorted((i for i, k in enumerate(ks) if k), key=lambda i: alphas[i].first * rates[i])
             drop = 1
             while drop < len(spec):
                 left_out = set(spec[:drop])
@@ -253,7 +255,7 @@ class SpeculationPolicy:
         return spec.catch_up_s + max(
             steady - spec.expected_tokens / plain.expected_tokens * plain.seconds, 0.0)
 
-    def _evaluate(self, ks: list[int], alphas: list[float], rates: list[float],
+    def _evaluate(self, ks: list[int], alphas: list[Rate], rates: list[float],
                   conts: list[float], candidates: list[Candidate]) -> Plan:
         tokens = sum(1.0 + r * (expected_tokens(a, k, c) - 1.0)
                      for a, r, k, c in zip(alphas, rates, ks, conts))

@@ -233,7 +233,7 @@ def test_a_probe_with_catch_up_mends_a_draft_table_measured_under_load():
     accepted code at k=0 for good.) The first plain step runs 0.61x the table's decode:
     the factors are rescaled to that host and the tables count as unchecked, so a 256-token
     request of accepted code is probed at its second step (it waited 8 plain steps before),
-    then ramps 1, 2, 4 and stays at 4 (but at its end): 0.50 of plain decoding's time (0.6
+    then ramps 1, 3, 4 and stays at 4 (but at its end): 0.50 of plain decoding's time (0.6
     allowed; at k=0 it was 1.0). The probe's predicted loss on this wrong table exceeds 3%
     of a 64-token request's plain time, so that one is not probed (the price of bounding
     what a probe may cost a short request): its reason is no_budget. Its plain time pays
@@ -248,7 +248,7 @@ def test_a_probe_with_catch_up_mends_a_draft_table_measured_under_load():
     first = next(i for i, k in enumerate(ks) if k)
     assert first == 1 and plans[first][0].explore and plans[first][0].catch_up > 0
     assert plans[0][0].reasons == ["exploration_pending"]
-    assert ks[first:first + 3] == [1, 2, 4] and set(ks[first + 2:-1]) == {4}
+    assert ks[first:first + 3] == [1, 3, 4] and set(ks[first + 2:-1]) == {4}
     assert sum(s for _, s in plans) < 0.6 * 256 * (0.004 + true_scorer(1, 1))
     p = policy(wrong_scorer, wrong_draft)
     plans = run_draft_steps(p, 64, true_scorer, true_draft, prompt=14, accept=True)
