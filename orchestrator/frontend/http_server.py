@@ -14,6 +14,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orchestrator.config import HttpLimits
+from orchestrator.frontend.client_window import ClientWindow, send_window
 from orchestrator.frontend.stream_watch import WRITE_TIMEOUTS
 from specdecode.serving.server import check_port_free
 from specdecode.serving.tls import TlsFiles
@@ -27,20 +28,23 @@ log = logging.getLogger(__name__)
 # writes paused, and the stream write timeout could not start. What is left is the
 # client's own receive window.
 SEND_BUFFER_BYTES = 16 << 10
+WINDOW_CHECK_S = 1.0  # how often a response's client window is read (client_window)
 
 
 class _HeaderTimeout(H11Protocol):
     """h11 with a deadline on each request's headers (uvicorn has none: a client sending a
     byte now and then held its connection for ever): a connection that has not completed
     its next request's headers `header_timeout_s` after it opened or after its last
-    response is closed. And one on its writes: a connection whose writes stay paused (the
-    client takes nothing: the kernel's buffers and asyncio's are full) for
-    `write_timeout_s` is aborted, which ends its response as a client that leaves does
-    (its generation is cancelled, its sequences released: docs/design.md, *Back-pressure*)."""
+    response is closed. And one on its writes: a connection whose client takes nothing for
+    `write_timeout_s` (its writes stay paused: the kernel's buffers and asyncio's are full;
+    or, sooner, its advertised window stays short of its widest: client_window) is
+    aborted, which ends its response as a client that leaves does (its generation is
+    cancelled, its sequences released: docs/design.md, *Back-pressure*)."""
 
     header_timeout_s = 10.0
     write_timeout_s = 30.0
     _write_timer: asyncio.TimerHandle | None = None
+    _window: ClientWindow | None = None
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -63,10 +67,30 @@ class _HeaderTimeout(H11Protocol):
     def _write_expired(self) -> None:
         self._write_timer = None
         if not self.transport.is_closing() or self.flow.write_paused:
-            log.info("closing an HTTP connection that took nothing for %g s",
-                     self.write_timeout_s)
-            WRITE_TIMEOUTS.labels("http").inc()
-            self.transport.abort()  # close() would wait for the buffer to drain: for ever
+            self._abort_unread()
+
+    def _abort_unread(self) -> None:
+        log.info("closing an HTTP connection that took nothing for %g s", self.write_timeout_s)
+        WRITE_TIMEOUTS.labels("http").inc()
+        self.transport.abort()  # close() would wait for the buffer to drain: for ever
+
+    def _watch_window(self, sock: socket.socket) -> None:
+        """Every WINDOW_CHECK_S while the connection is open: during a response, abort it
+        once its client has held unread bytes for write_timeout_s; between responses there
+        is nothing to take."""
+        if self.transport.is_closing():
+            return
+        now, window = self.loop.time(), send_window(sock)
+        if window is None:
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            self._window = ClientWindow(now)
+        else:
+            self._window.observe(window, now)
+            if self._window.unread_for(now) >= self.write_timeout_s:
+                self._abort_unread()
+                return
+        self.loop.call_later(WINDOW_CHECK_S, self._watch_window, sock)
 
     def _arm(self) -> None:
         self.loop.call_later(self.header_timeout_s, self._expire, self.cycle)
@@ -82,6 +106,7 @@ class _HeaderTimeout(H11Protocol):
         if sock is not None:  # bounded: Linux would grow it to megabytes a client never reads
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self._watch_window(sock)
         transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)  # asyncio's: 64 KiB
         self._arm()
 

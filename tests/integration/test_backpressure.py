@@ -9,6 +9,8 @@ tokens throughout. Waits are bounds on events, not speeds."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import time
 
 import grpc
 import pytest
@@ -80,3 +82,32 @@ def test_clients_that_never_read_are_paused_then_cancelled_and_released(stack, l
             channel.close()
     print(f"\n5 never-read streams paused and cancelled; {generated:.0f} tokens generated "
           f"in all (neighbour 300)")
+
+
+def test_a_client_that_never_reads_is_cut_before_its_buffers_fill(stack):
+    """On the kernel's default buffers a client that never calls recv absorbs ~150 KB before
+    the server's writes pause (hundreds of tokens, minutes at a real model's pace on a CPU):
+    its advertised window, shrinking and never widening, says it takes nothing sooner, and
+    the server closes it a write timeout after (orchestrator.frontend.client_window). This
+    model fills those buffers in a second, so the silent client is closed either way; what
+    the window watch must not do is cut a client that reads: one reading every second
+    (within the timeout, its window short of its widest between reads) ends its stream
+    whole."""
+    metric = stack.metric
+    before = metric("orchestrator", "specdecode_stream_write_timeouts_total", 'api="http"')
+    silent = http_stalled(stack.http_port, [4, 2, 3], MAX_TOKENS, logprobs=0,
+                          receive_buffer=None)
+    slow = http_stalled(stack.http_port, [5, 2, 3], 400, logprobs=0, receive_buffer=None)
+    try:
+        body = b""
+        while b"data: [DONE]" not in body:  # a second's reads, each taking what is there
+            time.sleep(1.0)
+            slow.settimeout(5.0)
+            body += slow.recv(1 << 20)
+        assert re.search(rb'"finish_reason": ?"length"', body), "the slow reader's stream ended whole"
+        assert closed_by_server(silent, 120), "the silent client was closed"
+        assert metric("orchestrator", "specdecode_stream_write_timeouts_total",
+                      'api="http"') == before + 1
+    finally:
+        silent.close()
+        slow.close()

@@ -17,16 +17,18 @@ from specdecode.v1 import spec_decode_service_pb2_grpc as pb_grpc
 RECEIVE_BUFFER = 4096
 
 
-def http_stalled(port: int, prompt: list[int], max_tokens: int, logprobs: int = 5
-                 ) -> socket.socket:
+def http_stalled(port: int, prompt: list[int], max_tokens: int, logprobs: int = 5,
+                 receive_buffer: int | None = RECEIVE_BUFFER) -> socket.socket:
     """A streamed /v1/completions (with `logprobs`, so each event is large) whose socket is
-    never read; the caller closes it."""
+    never read (its receive buffer `receive_buffer`, None: the kernel's default); the
+    caller closes it."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "logprobs": logprobs}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.connect(("127.0.0.1", port))
     sock.sendall(head + body)
     return sock
