@@ -6,9 +6,11 @@ id), the sub-batches sent in parallel, the results put back in batch order.
   back-off, on the replicas up by then (its sequences recompute there from their full
   tokens), until the retry budget is spent; then the step fails with UNAVAILABLE naming the
   scorer. A timeout never takes the last replica up off the ring (it is slow, not gone):
-  the step retries it, each attempt's deadline doubled but ending with the budget (at least
-  one undoubled deadline). When no replica has been up for a whole budget, steps fail at
-  once.
+  the step retries it with the rest of the budget at once (at least one undoubled
+  deadline), since a stopped forward loses its work: with doubled deadlines, a host slower
+  than the estimate (two busy loops beside the suite) spent the 30 s budget on attempts
+  that each were stopped short. Retries on other replicas double the deadline each attempt, within
+  the budget. When no replica has been up for a whole budget, steps fail at once.
 - The proposer is optional: a sub-batch whose call fails or times out gets no proposals
   (proposal length 0: the scorer alone decodes it, same output), and its replica stays out
   until the background check finds it healthy again. Fallback sequences and steps are
@@ -87,14 +89,15 @@ class _Routed:
     keeps_last = staticmethod(lambda exc: False)
 
     def _fan_out(self, req: ExecuteModelRequest, rows: list[int], call, attempt: int = 0,
-                 budget_s: float | None = None) -> tuple[
+                 budget_s: float | None = None, stretch: bool = False) -> tuple[
             dict[str, tuple[list[int], object]], dict[str, tuple[list[int], BaseException]]]:
         """Route `rows` of the batch and run call(client, sub_request, rows, timeout) per
         replica in parallel: ({replica: (rows, result)}, {replica: (rows, error)}).
         DeadlinePassedError once the step's client deadline has passed. A sequence new to
         its replica counts its whole length (recomputed there); retry `attempt` n doubles
         the timeout n times (a replica that took over others' sequences is busier), but
-        not past `budget_s` seconds unless the undoubled timeout is longer."""
+        not past `budget_s` seconds unless the undoubled timeout is longer; `stretch`: the
+        whole of `budget_s` (or the undoubled timeout, if longer)."""
         groups = req.seq_group_metadata_list
         futures = {}
         for address, (positions, client, fresh) in self.replicas.route(
@@ -106,7 +109,10 @@ class _Routed:
             # On this thread: the client deadline lives here.
             timeout = self.timeout.timeout(tokens, 2 ** attempt)
             if budget_s is not None:
-                timeout = min(timeout, max(budget_s, self.timeout.timeout(tokens)))
+                whole = max(budget_s, self.timeout.timeout(tokens))
+                timeout = whole if stretch else min(timeout, whole)
+                left = deadlines.remaining()
+                timeout = timeout if left is None else min(timeout, left)
             if timeout <= 0:
                 raise DeadlinePassedError("the deadline of every request in the step passed")
             # In a copy of this thread's context: the call's client span is a child of the
@@ -181,6 +187,7 @@ class RoutedScorer(_Routed, SpeculativeScorer):
         token_ids = torch.full((B, K), -1, dtype=torch.long)
         probs = logprobs = None
         pending, attempt, last_error = list(range(B)), 0, "no replica is up"
+        stretch = False  # the last replica up was slow: it gets the rest of the budget
 
         def call(client, sub, rows, timeout):
             index = torch.tensor(rows)
@@ -194,7 +201,7 @@ class RoutedScorer(_Routed, SpeculativeScorer):
             if self.replicas.up_count() == 0 and self.replicas.down_for() >= self.retry_timeout_s:
                 raise self._unavailable(f"no replica up for {self.replicas.down_for():.0f}s")
             done, failed = self._fan_out(req, pending, call, attempt,
-                                         give_up - time.monotonic()) \
+                                         give_up - time.monotonic(), stretch) \
                 if self.replicas.up_count() else ({}, {})
             for rows, scores in done.values():
                 token_ids[rows] = scores.token_ids
@@ -205,6 +212,8 @@ class RoutedScorer(_Routed, SpeculativeScorer):
             if failed:
                 last_error = "; ".join(f"{a}: {e.code().name} {e.details()}"
                                        for a, (_, e) in failed.items())
+                stretch = self.replicas.up_count() == 1 and all(
+                    _slow(e) for _, e in failed.values())
             if not pending:
                 break
             left = deadlines.remaining()

@@ -45,8 +45,9 @@ PROBE_S = 10.0  # while idle, a probe this often
 MAX_ROWS = 8  # row counts in a table at most (merged_rows)
 PROBE_CONTEXT = 8  # cached tokens of a probe's row (it refills them each time)
 BACKOFF_S = 10.0  # the host found busy: nothing is timed for a random half to whole of this
-# ... unless it stayed busy this long and live forwards say the table is stale: a load that
-# lasts is the host's condition (probes still wait for an idle host)
+# ... unless live forwards say the table is stale and the load held it back this long (busy
+# at every check or now and then): a load that lasts is the host's condition (probes still
+# wait for an idle host)
 LASTING_S = 10.0
 
 
@@ -72,7 +73,7 @@ class Recalibrator:
         self.runner, self.costs, self.model = runner, costs, model
         self.host, self.backoff_s, self.lasting_s = host or HostLoad(), backoff_s, lasting_s
         self.held_until = 0.0  # the host was busy: nothing is timed before this ...
-        self.busy_since: float | None = None  # ... and it has been, at each check, since
+        self.held_since: float | None = None  # ... and the idle service held back since
         self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
         self.off = 0  # consecutive probes off the table
@@ -109,20 +110,22 @@ class Recalibrator:
         within a random back-off before: two idle services on one host that both start to
         time see each other as load and both stop; held for different times, one goes
         first and the other finds it busy, until it is done. `lasting` (a stale table): a
-        host busy at every check for lasting_s counts as idle (its load is its condition:
-        under busy loops that stay, a table missing the row counts traffic ran was never
-        re-measured)."""
+        service held back by the host's load for lasting_s counts as idle (the load is the
+        host's condition), whether that load was busy at every check or came and went: under
+        busy loops that stay a table missing the row counts traffic ran was never
+        re-measured, and beside work that came and went neither (each busy check renewed
+        the back-off; CI's proposer, stale after traffic of 2 and 3 rows, waited 50 s)."""
         if self.model.idle_for() < self.idle_s:
+            self.held_since = None
             return False
         now = time.monotonic()
         if self.host.busy():
-            self.busy_since = now if self.busy_since is None else self.busy_since
-            if lasting and now - self.busy_since >= self.lasting_s:
-                return True
             self.held_until = now + random.uniform(0.5, 1.0) * self.backoff_s
-            return False
-        self.busy_since = None
-        return now >= self.held_until
+        elif now >= self.held_until:
+            self.held_since = None
+            return True
+        self.held_since = now if self.held_since is None else self.held_since
+        return lasting and now - self.held_since >= self.lasting_s
 
     async def _probe_off(self) -> bool:
         """A probe: a decode and a one-row forward at the table's widest width; True when two
@@ -164,7 +167,7 @@ class Recalibrator:
         finally:
             session.close()
         measured = ForwardCosts(rows, widths, table)
-        self.off, self.next_probe = 0, time.monotonic() + self.probe_s
+        self.off, self.next_probe, self.held_since = 0, time.monotonic() + self.probe_s, None
         moved = self.measured.ratio(measured)
         if rows == self.measured.rows and 1 / DRIFT <= moved <= DRIFT:
             self.costs.replace(None)  # the table was right: no new version

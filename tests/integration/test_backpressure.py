@@ -84,28 +84,32 @@ def test_clients_that_never_read_are_paused_then_cancelled_and_released(stack, l
           f"in all (neighbour 300)")
 
 
-def test_a_client_that_never_reads_is_cut_before_its_buffers_fill(stack):
-    """On the kernel's default buffers a client that never calls recv absorbs ~150 KB before
-    the server's writes pause (hundreds of tokens, minutes at a real model's pace on a CPU):
-    its advertised window, shrinking and never widening, says it takes nothing sooner, and
-    the server closes it a write timeout after (orchestrator.frontend.client_window). This
-    model fills those buffers in a second, so the silent client is closed either way; what
-    the window watch must not do is cut a client that reads: one reading every second
-    (within the timeout, its window short of its widest between reads) ends its stream
-    whole."""
+def test_a_client_that_reads_within_the_write_timeout_is_never_cut(stack):
+    """The window watch (orchestrator.frontend.client_window) cuts a client whose advertised
+    window has stayed short of its widest for a write timeout: it must not cut one that
+    reads. A client on the kernel's default buffers reading every second (within the
+    timeout, its window short of its widest between reads) ends its stream whole, while
+    beside it a silent one on a small fixed buffer is cut, the one write timeout counted.
+    The silent one is not read until then: reading it (closed_by_server) makes it a reader,
+    and in CI, not cut while the slow one read, it took its whole stream and was closed as
+    an idle keep-alive connection, uncounted. A silent client on default buffers is not
+    asserted: Linux grows a non-reader's buffer under small segments and keeps its window
+    open (docs/design.md, *Back-pressure*)."""
     metric = stack.metric
     before = metric("orchestrator", "specdecode_stream_write_timeouts_total", 'api="http"')
-    silent = http_stalled(stack.http_port, [4, 2, 3], MAX_TOKENS, logprobs=0,
-                          receive_buffer=None)
+    silent = http_stalled(stack.http_port, [4, 2, 3], MAX_TOKENS, logprobs=0)
     slow = http_stalled(stack.http_port, [5, 2, 3], 400, logprobs=0, receive_buffer=None)
     try:
-        body = b""
-        while b"data: [DONE]" not in body:  # a second's reads, each taking what is there
+        body, chunk = b"", b"-"
+        while chunk and b"data: [DONE]" not in body:  # a second's reads, each taking all there is
             time.sleep(1.0)
             slow.settimeout(5.0)
-            body += slow.recv(1 << 20)
+            chunk = slow.recv(1 << 20)
+            body += chunk
         assert re.search(rb'"finish_reason": ?"length"', body), "the slow reader's stream ended whole"
-        assert closed_by_server(silent, 120), "the silent client was closed"
+        stack.wait_for(lambda: metric("orchestrator", "specdecode_stream_write_timeouts_total",
+                                      'api="http"') >= before + 1, 120, "the silent client cut")
+        assert closed_by_server(silent, 30), "the silent client was closed"
         assert metric("orchestrator", "specdecode_stream_write_timeouts_total",
                       'api="http"') == before + 1
     finally:

@@ -244,6 +244,33 @@ def test_a_stale_table_is_remeasured_under_a_load_that_lasts(runner):
     assert asyncio.run(probing.step()) is False and probing.off == 0 and right.version == 0
 
 
+def test_a_stale_table_is_remeasured_under_a_load_that_comes_and_goes(runner):
+    """Stale, beside work that is busy at every other check: each busy check renews the
+    back-off and the quiet ones fall inside it, so without a bound the table waited for
+    ever (CI's proposer: no re-measurement in 50 s after traffic of 2 and 3 rows); held back
+    lasting_s in all, it is re-measured under the load. A table that is not stale is
+    never timed beside that load."""
+
+    class Flickering(Host):
+        def busy(self) -> bool:
+            self.busy_now = not self.busy_now
+            return self.busy_now
+
+    stale = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
+    stale.observe(3, 2, 1.0)  # traffic ran 3 rows
+    right = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 50.0)
+    recalibrators = [Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0,
+                                  host=Flickering(), backoff_s=60.0, lasting_s=0.3)
+                     for costs in (stale, right)]
+
+    async def steps(n: int) -> list[list[bool]]:
+        return [[await r.step() for r in recalibrators] for _ in range(n)]
+    assert asyncio.run(steps(3)) == [[False, False]] * 3 and stale.version == 0
+    time.sleep(0.35)
+    assert asyncio.run(steps(2)) == [[True, False], [False, False]]
+    assert stale.rows == [1, 3] and stale.version == 1 and right.version == 0
+
+
 def test_a_busy_host_holds_the_timing_back_for_a_while(runner):
     """Busy once, then quiet: nothing is timed until the back-off (half to all of backoff_s)
     has passed: two services that found each other's timing as load do not start again
