@@ -9,8 +9,9 @@ id), the sub-batches sent in parallel, the results put back in batch order.
   the step retries it with the rest of the budget at once (at least one undoubled
   deadline), since a stopped forward loses its work: with doubled deadlines, a host slower
   than the estimate (two busy loops beside the suite) spent the 30 s budget on attempts
-  that each were stopped short. Retries on other replicas double the deadline each attempt, within
-  the budget. When no replica has been up for a whole budget, steps fail at once.
+  that each were stopped short. Retries on other replicas double the deadline each
+  attempt, within the budget. When no replica has been up for a whole budget, steps fail
+  at once.
 - The proposer is optional: a sub-batch whose call fails or times out gets no proposals
   (proposal length 0: the scorer alone decodes it, same output), and its replica stays out
   until the background check finds it healthy again. Fallback sequences and steps are
