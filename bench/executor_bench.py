@@ -5,6 +5,7 @@
     python bench/executor_bench.py scoring [--models tiny,smollm2]
     python bench/executor_bench.py compiled --models smollm2:float32,qwen1.5b:bfloat16
     python bench/executor_bench.py attention [--small]
+    python bench/executor_bench.py parts --model qwen --batches 1,4 [--deterministic off]
 
 Each subcommand prints one table and writes JSON under bench/results/ (its --help says what it
 measures); `tiny` models or `--small` run each in seconds to a minute.
@@ -13,24 +14,29 @@ measures); `tiny` models or `--small` run each in seconds to a minute.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import click
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the root: bench.harness
-from bench.harness import (CODE_PROMPTS, CPU, PROMPTS, RESULTS, forward_ms,  # noqa: E402
-                           hf_generate_batch, load_named, median_s, qwen_dirs, ratio,
+from bench.harness import (CODE_PROMPTS, CPU, PROMPTS, RESULTS, cpu_model, fmt,  # noqa: E402
+                           forward_ms, hf_generate_batch, load_named, median_s, qwen_dirs, ratio,
                            run_engine, save, show, sync)
 from scorer_svc.methods import SCORING_METHODS, scorer_class  # noqa: E402
 from specdecode.executor.attention import AttnBatch, SdpaBackend  # noqa: E402
 from specdecode.executor.device import resolve_device, resolve_dtype  # noqa: E402
+from specdecode.executor.invariant_ops import ROW_TILE  # noqa: E402
 from specdecode.interfaces import SpeculativeProposals  # noqa: E402
 from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
 from specdecode.models.checkpoints import load_model, load_tokenizer  # noqa: E402
+from specdecode.models.model_loading import resolve_deterministic  # noqa: E402
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,  # noqa: E402
                                  SequenceGroupMetadata)
 from specdecode.executor.static_attention import (FlexBackend, PaddedSdpaBackend, StaticRows,  # noqa: E402
@@ -409,6 +415,233 @@ def attention(shapes, batches, queries, context, pool_tokens, repeats, small, ou
          [(r["shape"], r["B"], r["q"], r["backend"], f"{r['ms']:.3f}", f"{r['vs_per_row']:.2f}",
            f"{r['compile_s']:.1f}", f"{r['max_abs_diff']:.1e}") for r in rows], width=140)
     save(out, context=context, pool_tokens=pool_tokens, rows=rows)
+
+
+# -- parts -------------------------------------------------------------------------------------
+
+PARTS = ("q/k/v/o projections", "MLP matmuls (gate/up/down)", "attention over the KV pool",
+         "norms + rotary + elementwise", "LM head", "sampling (argmax)")
+PROJ, MLP, ATTN, ELEMENTWISE, HEAD, SAMPLING = PARTS
+WARMUP = 3  # decode steps before the timed ones
+
+
+class PartClock:
+    """Seconds per part of the steps run while it is open, summed over layers: forward hooks
+    on the model's modules, wrappers around the runner's attention backend and rotary
+    function. The MLP block's own time less its matmuls (activation, product) counts as
+    elementwise; embedding, residual adds and the runner's Python are left to the rest."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.seconds, self.undo = runner, defaultdict(float), []
+
+    def __enter__(self) -> PartClock:
+        fast = self.runner.fast
+        for layer in fast.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                self.hook(module, PROJ)
+            for module in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                self.hook(module, MLP)
+            self.hook(mlp, "MLP block")
+            self.hook(layer.input_layernorm, ELEMENTWISE)
+            self.hook(layer.post_attention_layernorm, ELEMENTWISE)
+        self.hook(fast.decoder.rotary_emb, ELEMENTWISE)
+        self.hook(fast.decoder.norm, ELEMENTWISE)
+        self.hook(fast.model.get_output_embeddings(), HEAD)
+        self.wrap(self.runner.backend, "write", ATTN)
+        self.wrap(self.runner.backend, "attend", ATTN)
+        self.wrap(fast, "_rope", ELEMENTWISE)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for undo in reversed(self.undo):
+            undo()
+
+    def hook(self, module, part: str) -> None:
+        start = [0.0]
+
+        def before(*_) -> None:
+            start[0] = time.perf_counter()
+
+        def after(*_) -> None:
+            self.seconds[part] += time.perf_counter() - start[0]
+        self.undo += [module.register_forward_pre_hook(before).remove,
+                      module.register_forward_hook(after).remove]
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+        setattr(owner, name, timed)
+        self.undo.append(lambda: setattr(owner, name, fn))
+
+    def take(self) -> dict[str, float]:
+        """ms per part since the last take (the MLP block folded into elementwise)."""
+        s, self.seconds = self.seconds, defaultdict(float)
+        s[ELEMENTWISE] += s.pop("MLP block", 0.0) - s[MLP]
+        return {part: 1000 * s[part] for part in PARTS}
+
+
+def decode_step(runner: ModelRunner, seqs: list[list[int]], clock: PartClock | None) -> float:
+    """One greedy step of every sequence (cache ids 0..B-1; each gains a token): ms, the
+    argmax's share added to the clock."""
+    start = time.perf_counter()
+    logits = torch.cat(runner.forward([RunnerRow(i, s, 1) for i, s in enumerate(seqs)]))  # [B, V]
+    sampled = time.perf_counter()
+    tokens = logits.argmax(-1).tolist()  # [B]
+    if clock:
+        clock.seconds[SAMPLING] += time.perf_counter() - sampled
+    for s, token in zip(seqs, tokens):
+        s.append(token)
+    return 1000 * (time.perf_counter() - start)
+
+
+def step_parts(runner: ModelRunner, B: int, context: int, steps: int) -> dict:
+    """B seeded random prompts of `context` tokens, prefilled, WARMUP steps, `steps` plain
+    steps, then `steps` with the clock: medians of the step ms (both) and of each part."""
+    gen = torch.Generator().manual_seed(B)
+    seqs = torch.randint(0, min(runner.vocab_size, 30000), (B, context), generator=gen).tolist()
+    for _ in range(1 + WARMUP):  # the prefill, then the warm-up
+        decode_step(runner, seqs, None)
+    plain = [decode_step(runner, seqs, None) for _ in range(steps)]
+    hooked, parts = [], []
+    with PartClock(runner) as clock:
+        for _ in range(steps):
+            hooked.append(decode_step(runner, seqs, clock))
+            parts.append(clock.take())
+    runner.release(list(range(B)))
+    ms = {part: statistics.median(p[part] for p in parts) for part in PARTS}
+    step = statistics.median(hooked)
+    return {"batch": B, "step_ms": statistics.median(plain), "hooked_step_ms": step,
+            "parts_ms": ms, "rest_ms": step - sum(ms.values())}
+
+
+def read_gbps(gib: int = 2, repeats: int = 5) -> float:
+    """GB/s of a `gib` GiB bfloat16 tensor's sum (a read of it), median of `repeats`."""
+    t = torch.ones(gib << 29, dtype=torch.bfloat16)  # [gib GiB / 2 bytes]
+    return t.nbytes / median_s(t.sum, repeats) / 1e9
+
+
+SWEEP_TILES = (1, 2, 4, 8, 16)  # rows per call of the prepacked kernel
+VERIFY_ROWS = 9  # a batch-1 verify at k = 8: ceil(9 / T) calls at tile T
+
+
+def tile_sweep(weights: list[torch.Tensor], repeats: int) -> list[dict]:
+    """ms per matrix of x @ w.T over every layer's matrix in turn (cold from memory, as in a
+    step): F.linear on the plain weights at M = 1, then oneDNN's linear on weights prepacked
+    for tile T (RowTiledLinear's kernel) on x of exactly T rows, for each T in SWEEP_TILES;
+    with what VERIFY_ROWS rows cost in ceil(VERIFY_ROWS / T) calls, or why packing failed."""
+    K, dtype, n = weights[0].shape[1], weights[0].dtype, len(weights)
+    x1 = torch.randn(1, K).to(dtype)  # [1, in]
+    rows = [{"kernel": "F.linear", "tile": 1, "error": None, "verify_ms": None,
+             "ms": median_s(lambda: [F.linear(x1, w) for w in weights], repeats) * 1000 / n}]
+    for T in SWEEP_TILES:
+        x = torch.randn(T, K).to(dtype)  # [T, in]
+        row = {"kernel": "oneDNN prepacked", "tile": T, "ms": None, "verify_ms": None,
+               "error": None}
+        try:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, T) for w in weights]
+            run = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+                           for w in packed]
+            row["ms"] = median_s(run, repeats) * 1000 / n
+            row["verify_ms"] = math.ceil(VERIFY_ROWS / T) * row["ms"]
+            del packed, run
+        except (AttributeError, RuntimeError) as e:
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+        rows.append(row)
+    return rows
+
+
+@cli.command()
+@click.option("--model", "name", default="qwen", show_default=True,
+              type=click.Choice(["qwen", "smollm2", "tiny"]),
+              help="qwen (Qwen2.5-Coder 1.5B), smollm2 (SmolLM2-135M), tiny (random, seconds).")
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--batches", default="1,4", show_default=True)
+@click.option("--context", default=64, show_default=True, help="Prompt tokens per sequence.")
+@click.option("--steps", default=10, show_default=True, help="Timed decode steps per batch.")
+@click.option("--deterministic", "mode", default="auto", show_default=True,
+              type=click.Choice(["auto", "on", "off"]),
+              help="As the services: auto is on (row-invariant, RowTiledLinear) in bfloat16 "
+                   "and float16, off (plain nn.Linear, batch-dependent) in float32.")
+@click.option("--out", default=str(RESULTS / "decode_parts.json"), show_default=True)
+@torch.inference_mode()
+def parts(name, dtype, batches, context, steps, mode, out) -> None:
+    """Where one plain decode step's time goes (ModelRunner, eager, warm cache), part by
+    part summed over layers, against the memory-bandwidth floor: the parameter bytes, which
+    a step reads once, over a 2 GiB read's GB/s measured in the same run. Also the MLP's
+    largest matrix (every layer's gate_proj in turn): F.linear at M = 1 against oneDNN's
+    weights prepacked for a tile of T rows, T = 1..16 (what RowTiledLinear's ROW_TILE costs)."""
+    model = load_named(name, resolve_dtype(dtype))
+    runner = ModelRunner(model, CPU, max_num_seqs=max(map(int, batches.split(","))),
+                         kv_cache_memory=256 << 20,
+                         deterministic=resolve_deterministic(mode, dtype))
+    numerics = (f"row-invariant, tile {ROW_TILE}" if runner.deterministic
+                else "batch-dependent")
+    gbps = read_gbps()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = [layer.mlp.gate_proj.weight for layer in runner.fast.layers]  # [inter, hidden]
+    rows = []
+    for B in map(int, batches.split(",")):
+        row = {**step_parts(runner, B, context, steps), "floor_ms": param_bytes / gbps / 1e6}
+        rows.append({**row, "fraction_of_limit": row["floor_ms"] / row["step_ms"]})
+    sweep = tile_sweep(weights, steps)
+    limit = gbps * 1e9 / param_bytes
+    show_parts(rows, f"{name} {dtype}, {numerics}", context, gbps, param_bytes, limit)
+    show_sweep(sweep, weights)
+    print("wrote", save(out, model=name, dtype=dtype, deterministic=mode,
+                        row_invariant=runner.deterministic, numerics=numerics, context=context,
+                        steps=steps, read_gbps=gbps, param_bytes=param_bytes,
+                        limit_tokens_per_s=limit, rows=rows, tile_sweep=sweep))
+
+
+def show_parts(rows: list[dict], what: str, context: int, gbps: float, param_bytes: int,
+               limit: float) -> None:
+    """The table: a part per line; per batch its ms and (parts) its share of the step."""
+    def line(label: str, ms, share=None) -> tuple:
+        """ms, share: functions of a row (share a fraction; None: left blank)."""
+        return (label, *[c for r in rows for c in (
+            fmt(ms(r)), fmt(100 * share(r), ".0f", "%") if share else "")])
+
+    def part(label: str, ms) -> tuple:  # its share of the hooked step
+        return line(label, ms, lambda r: ms(r) / r["hooked_step_ms"])
+    body = [part(p, lambda r, p=p: r["parts_ms"][p]) for p in PARTS] + [
+        part("the rest (Python, framework)", lambda r: r["rest_ms"]),
+        part("step, hooks on (the sum)", lambda r: r["hooked_step_ms"]),
+        line("step, hooks off", lambda r: r["step_ms"]),
+        line("bandwidth floor (params / GB/s); reached", lambda r: r["floor_ms"],
+             lambda r: r["fraction_of_limit"])]
+    b1 = rows[0]
+    show(f"one decode step, by part ({what}, CPU {torch.get_num_threads()} threads, "
+         f"{context}-token context; medians)",
+         ("part", *[c for r in rows for c in (f"B={r['batch']} ms", "share")]), body,
+         caption=f"{cpu_model()}: read {gbps:.1f} GB/s (2 GiB bf16 sum, median of 5); "
+                 f"parameters {param_bytes / 1e9:.2f} GB; limit {limit:.1f} tok/s at B=1; "
+                 f"reached {b1['batch'] * 1000 / b1['step_ms']:.1f} tok/s at B={b1['batch']}")
+
+
+def show_sweep(sweep: list[dict], weights: list[torch.Tensor]) -> None:
+    """The tile sweep: a kernel and tile per line, ms per matrix, against prepacked T=1, and
+    what VERIFY_ROWS rows cost at that tile."""
+    one = next(r["ms"] for r in sweep if r["kernel"] != "F.linear")
+    nbytes = weights[0].nbytes
+    body = [(f"{r['kernel']}, {'M' if r['kernel'] == 'F.linear' else 'T'}={r['tile']}",
+             fmt(r["ms"], ".3f"), fmt(r["ms"] and nbytes / r["ms"] / 1e6, ".1f"),
+             ratio(r["ms"] and one and r["ms"] / one), fmt(r["verify_ms"], ".3f"))
+            for r in sweep]
+    errors = "; ".join(f"T={r['tile']}: {r['error']}" for r in sweep if r["error"])
+    show(f"MLP gate_proj {list(weights[0].shape)} {str(weights[0].dtype)[6:]}, each of the "
+         f"{len(weights)} layers' in turn (cold from memory): ms per matrix",
+         ("kernel, rows per call", "ms", "GB/s", "vs T=1",
+          f"{VERIFY_ROWS} rows: ceil({VERIFY_ROWS}/T) x ms"), body,
+         caption=f"RowTiledLinear runs every matmul as oneDNN prepacked at T = ROW_TILE = "
+                 f"{ROW_TILE}; F.linear re-lays out the plain weight on every call"
+                 + (f"; not packed: {errors}" if errors else ""))
 
 
 if __name__ == "__main__":
