@@ -32,7 +32,7 @@ from bench.harness import (CODE_PROMPTS, CPU, PROMPTS, RESULTS, cpu_model, fmt, 
 from scorer_svc.methods import SCORING_METHODS, scorer_class  # noqa: E402
 from specdecode.executor.attention import AttnBatch, SdpaBackend  # noqa: E402
 from specdecode.executor.device import resolve_device, resolve_dtype  # noqa: E402
-from specdecode.executor.invariant_ops import ROW_TILE  # noqa: E402
+from specdecode.executor.invariant_ops import ROW_TILE, RowTiledLinear, packable  # noqa: E402
 from specdecode.interfaces import SpeculativeProposals  # noqa: E402
 from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
 from specdecode.models.checkpoints import load_model, load_tokenizer  # noqa: E402
@@ -531,28 +531,32 @@ SWEEP_TILES = (1, 2, 4, 8, 16)  # rows per call of the prepacked kernel
 VERIFY_ROWS = 9  # a batch-1 verify at k = 8: ceil(9 / T) calls at tile T
 
 
+def tiled(weight: torch.Tensor, tile: int) -> RowTiledLinear:
+    """The services' row-invariant linear (invariant_ops) over `weight`, at `tile` rows."""
+    linear = RowTiledLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight, linear.tile = torch.nn.Parameter(weight, requires_grad=False), tile
+    return linear
+
+
 def tile_sweep(weights: list[torch.Tensor], repeats: int) -> list[dict]:
     """ms per matrix of x @ w.T over every layer's matrix in turn (cold from memory, as in a
-    step): F.linear on the plain weights at M = 1, then oneDNN's linear on weights prepacked
-    for tile T (RowTiledLinear's kernel) on x of exactly T rows, for each T in SWEEP_TILES;
-    with what VERIFY_ROWS rows cost in ceil(VERIFY_ROWS / T) calls, or why packing failed."""
+    step): F.linear on the plain weights at M = 1, then RowTiledLinear (its weight packed
+    once for tile T) on x of exactly T rows, for each T in SWEEP_TILES; with what VERIFY_ROWS
+    rows cost in ceil(VERIFY_ROWS / T) calls, or why it could not pack."""
     K, dtype, n = weights[0].shape[1], weights[0].dtype, len(weights)
     x1 = torch.randn(1, K).to(dtype)  # [1, in]
     rows = [{"kernel": "F.linear", "tile": 1, "error": None, "verify_ms": None,
              "ms": median_s(lambda: [F.linear(x1, w) for w in weights], repeats) * 1000 / n}]
     for T in SWEEP_TILES:
-        x = torch.randn(T, K).to(dtype)  # [T, in]
         row = {"kernel": "oneDNN prepacked", "tile": T, "ms": None, "verify_ms": None,
-               "error": None}
-        try:
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w, T) for w in weights]
-            run = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
-                           for w in packed]
-            row["ms"] = median_s(run, repeats) * 1000 / n
+               "error": None if packable(weights[0]) else "not packable on this CPU / dtype"}
+        if row["error"] is None:
+            x = torch.randn(T, K).to(dtype)  # [T, in]
+            linears = [tiled(w, T) for w in weights]
+            for linear in linears:  # packed once, as at a service's first forward
+                linear(x)
+            row["ms"] = median_s(lambda: [linear(x) for linear in linears], repeats) * 1000 / n
             row["verify_ms"] = math.ceil(VERIFY_ROWS / T) * row["ms"]
-            del packed, run
-        except (AttributeError, RuntimeError) as e:
-            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
         rows.append(row)
     return rows
 
