@@ -32,7 +32,8 @@ from bench.harness import (CODE_PROMPTS, CPU, PROMPTS, RESULTS, cpu_model, fmt, 
 from scorer_svc.methods import SCORING_METHODS, scorer_class  # noqa: E402
 from specdecode.executor.attention import AttnBatch, SdpaBackend  # noqa: E402
 from specdecode.executor.device import resolve_device, resolve_dtype  # noqa: E402
-from specdecode.executor.invariant_ops import ROW_TILE, RowTiledLinear, packable  # noqa: E402
+from specdecode.executor.invariant_ops import (ROW_TILE, SMALL_TILES, RowTiledLinear,  # noqa: E402
+                                               packable)
 from specdecode.interfaces import SpeculativeProposals  # noqa: E402
 from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
 from specdecode.models.checkpoints import load_model, load_tokenizer  # noqa: E402
@@ -532,10 +533,19 @@ VERIFY_ROWS = 9  # a batch-1 verify at k = 8: ceil(9 / T) calls at tile T
 
 
 def tiled(weight: torch.Tensor, tile: int) -> RowTiledLinear:
-    """The services' row-invariant linear (invariant_ops) over `weight`, at `tile` rows."""
+    """The services' row-invariant linear (invariant_ops) over `weight`, pinned to `tile`
+    rows a call."""
     linear = RowTiledLinear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight, linear.tile = torch.nn.Parameter(weight, requires_grad=False), tile
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    linear.tile, linear.candidates = tile, ()
     return linear
+
+
+def row_blocks(runner: ModelRunner) -> str:
+    """The block sizes the runner's row-invariant linears use (after a forward), e.g. '4/8/16'."""
+    sizes = {m._plan[2] for m in runner.model.modules()
+             if isinstance(m, RowTiledLinear) and m._plan is not None}
+    return " | ".join("/".join(map(str, s)) for s in sorted(sizes)) or "?"
 
 
 def tile_sweep(weights: list[torch.Tensor], repeats: int) -> list[dict]:
@@ -580,13 +590,11 @@ def parts(name, dtype, batches, context, steps, mode, out) -> None:
     part summed over layers, against the memory-bandwidth floor: the parameter bytes, which
     a step reads once, over a 2 GiB read's GB/s measured in the same run. Also the MLP's
     largest matrix (every layer's gate_proj in turn): F.linear at M = 1 against oneDNN's
-    weights prepacked for a tile of T rows, T = 1..16 (what RowTiledLinear's ROW_TILE costs)."""
+    weights prepacked, T rows a call, T = 1..16 (what each of RowTiledLinear's blocks costs)."""
     model = load_named(name, resolve_dtype(dtype))
     runner = ModelRunner(model, CPU, max_num_seqs=max(map(int, batches.split(","))),
                          kv_cache_memory=256 << 20,
                          deterministic=resolve_deterministic(mode, dtype))
-    numerics = (f"row-invariant, tile {ROW_TILE}" if runner.deterministic
-                else "batch-dependent")
     gbps = read_gbps()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     weights = [layer.mlp.gate_proj.weight for layer in runner.fast.layers]  # [inter, hidden]
@@ -594,6 +602,8 @@ def parts(name, dtype, batches, context, steps, mode, out) -> None:
     for B in map(int, batches.split(",")):
         row = {**step_parts(runner, B, context, steps), "floor_ms": param_bytes / gbps / 1e6}
         rows.append({**row, "fraction_of_limit": row["floor_ms"] / row["step_ms"]})
+    numerics = (f"row-invariant, blocks of {row_blocks(runner)} rows" if runner.deterministic
+                else "batch-dependent")  # as the steps above ran
     sweep = tile_sweep(weights, steps)
     limit = gbps * 1e9 / param_bytes
     show_parts(rows, f"{name} {dtype}, {numerics}", context, gbps, param_bytes, limit)
@@ -643,8 +653,9 @@ def show_sweep(sweep: list[dict], weights: list[torch.Tensor]) -> None:
          f"{len(weights)} layers' in turn (cold from memory): ms per matrix",
          ("kernel, rows per call", "ms", "GB/s", "vs T=1",
           f"{VERIFY_ROWS} rows: ceil({VERIFY_ROWS}/T) x ms"), body,
-         caption=f"RowTiledLinear runs every matmul as oneDNN prepacked at T = ROW_TILE = "
-                 f"{ROW_TILE}; F.linear re-lays out the plain weight on every call"
+         caption=f"RowTiledLinear runs every matmul as oneDNN prepacked on blocks of "
+                 f"{ROW_TILE} rows or of those of {SMALL_TILES} giving the same bits; "
+                 "F.linear re-lays out the plain weight on every call"
                  + (f"; not packed: {errors}" if errors else ""))
 
 

@@ -297,9 +297,9 @@ def fix_costs(runners, rows: int, tokens: int, repeats: int, clock) -> dict[str,
 @cli.command()
 @MODEL
 @click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--tile", default=ROW_TILE, show_default=True,
-              help="Rows per matmul call of the tiled linears (one size per run, so that each "
-                   "keeps one packed weight).")
+@click.option("--tile", default=None, type=int,
+              help="Pin every matmul call of the tiled linears to this many rows [the "
+                   f"services' choice: {ROW_TILE} rows, or fewer where they give its bits].")
 @click.option("--repeats", default=5, show_default=True, help="Timed forwards per cell.")
 @click.option("--clock", default="wall", type=click.Choice(["wall", "cpu"]), show_default=True,
               help="cpu: the process's CPU time per forward (a loaded machine; with "
@@ -309,7 +309,8 @@ def fix_costs(runners, rows: int, tokens: int, repeats: int, clock) -> dict[str,
 def costs(model_name, dtype, tile, repeats, clock, quick, out) -> None:
     """What each of the mode's fixes costs a forward (ms, median of --repeats): off, the
     linears tiled (RowTiledLinear), attention per query, both (on)."""
-    RowTiledLinear.tile = tile
+    if tile is not None:
+        RowTiledLinear.tile, RowTiledLinear.candidates = tile, ()
     runners = fix_runners(load_named(model_name, getattr(torch, dtype)))
     clock_fn = time.process_time if clock == "cpu" else time.perf_counter
     rows = []
@@ -319,7 +320,7 @@ def costs(model_name, dtype, tile, repeats, clock, quick, out) -> None:
         print(json.dumps(rows[-4:]), flush=True)
     by = {(r["forward"], r["fix"]): r["ms"] for r in rows}
     show(f"Forward cost of each fix, {model_name} {dtype}, CPU, {torch.get_num_threads()} threads, "
-         f"{clock} ms, tile {tile} (median of {repeats})", ("forward", *(f"{fix} ms" for fix in FIXES)),
+         f"{clock} ms, tile {tile or 'auto'} (median of {repeats})", ("forward", *(f"{fix} ms" for fix in FIXES)),
          [(name, *(f"{by[(name, f)]:.1f}" + ("" if f == "off" else f" ({by[(name, f)] / by[(name, 'off')]:.2f}x)")
                    for f in FIXES)) for name in dict.fromkeys(r["forward"] for r in rows)])
     save(out or f"bench/results/invariance_costs_{model_name}.json", costs=rows)

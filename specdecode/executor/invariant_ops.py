@@ -5,48 +5,90 @@ A library matmul picks its kernel, its blocking and its split of the reduction o
 from the shape of the call. On this repository's CPUs a bf16 row multiplied alone, among 8
 rows or among 40 comes out with different low bits (docs/benchmarks.md, *Invariant
 numerics*), and so does float32. The fix here is the simplest that holds on every library:
-call the matmul on one shape only. `tiled_linear` cuts the rows into blocks of exactly
-`ROW_TILE` rows, zero-padding the last, so every row of every forward goes through the same
-kernel with the same reduction order; within a block the row's place does not matter
-(measured). The price is that a forward of more than ROW_TILE rows reads the weights once
-per block.
+call the matmul on a few shapes only, each giving the bits of the one shape of `ROW_TILE`
+rows. `tiled_linear` cuts the rows into blocks of ROW_TILE rows and puts the rest (or a
+forward of fewer rows) in the smallest allowed block that holds it, zero-padded; within a
+block the row's place does not matter (measured). Which smaller blocks are allowed is
+measured, not assumed: `equal_tiles` keeps each of `SMALL_TILES` whose rows come out bit for
+bit as in ROW_TILE-row blocks, per weight shape, dtype, kernel and thread count (on an
+AVX512-BF16 CPU, 4 and 8 rows in bf16 do; one row, a matrix-vector kernel, does not). A
+decode then multiplies 4 rows, not 16; a forward of more than ROW_TILE rows reads the weights
+once per block.
 
 On a CPU with bf16 (or fp16) units, `RowTiledLinear` also packs its weight once into
-oneDNN's blocked layout for that one shape: the kernel and the result are those of
-F.linear on ROW_TILE rows (measured bit for bit), without the copy of the weight into that
-layout which F.linear makes on every call. Everything here is plain tensor code over fixed
-shapes, so a compiled path can trace it (PyTorch's own CPU compiler packs linears the same
-way).
+oneDNN's blocked layout (one layout serves every block size): the kernel and the result are
+those of F.linear on the same rows (measured bit for bit), without the copy of the weight
+into that layout which F.linear makes on every call. Everything here is plain tensor code
+over fixed shapes, so a compiled path can trace it (PyTorch's own CPU compiler packs linears
+the same way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows per matmul call. Decode and a batch-1 verify (k <= 15) fit one block; 16 rows cost
-# about what one row does on the CPUs measured (docs/benchmarks.md, Invariant numerics).
+# Rows per matmul call at most, and the block whose bits every other block size must give.
+# A batch-1 verify (k <= 15) fits one block.
 ROW_TILE = 16
+# Smaller blocks a forward of few rows may use where they give ROW_TILE's bits (`equal_tiles`).
+# On the AVX512-BF16 EPYC, 8960 x 1536 bf16, every layer's in turn: 0.74 ms a call of 4 rows,
+# 1.00 of 8, 1.39 of 16, 1.10 of 2 (hence not 2) and 1.17 of 1 (docs/benchmarks.md).
+SMALL_TILES = (4, 8)
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # [tile, K] -> [tile, N]
 
 
+def block_sizes(M: int, tiles: Sequence[int]) -> list[int]:
+    """How M rows are cut: blocks of the largest tile, then the rest (or M < that tile, or
+    M = 0) in the smallest tile that holds it."""
+    tile = max(tiles)
+    full, rest = divmod(M, tile)
+    return [tile] * full + ([min(t for t in tiles if t >= rest)] if rest or not M else [])
+
+
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 tile: int = ROW_TILE, matmul: Matmul | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] = x @ weight.T + bias, the matmul always on `tile` rows
-    (`matmul`: one block's product, F.linear by default)."""
+                 tiles: Sequence[int] = (ROW_TILE,), matmul: Matmul | None = None
+                 ) -> torch.Tensor:
+    """x [..., K] -> [..., N] = x @ weight.T + bias, the matmul only ever on a number of rows
+    in `tiles` (`block_sizes`; `matmul`: one block's product, F.linear by default)."""
     matmul = matmul or (lambda block: F.linear(block, weight, bias))
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    M = rows.shape[0]
-    full, rest = divmod(M, tile)
-    blocks = [matmul(rows[i * tile:(i + 1) * tile]) for i in range(full)]
-    if rest or not M:  # the last block, zero-padded to `tile` rows
-        blocks.append(matmul(F.pad(rows[full * tile:], (0, 0, 0, tile - rest)))[:rest])
+    blocks, start = [], 0
+    for size in block_sizes(rows.shape[0], tiles):
+        block = rows[start:start + size]  # [<= size, K], zero-padded to [size, K]
+        n = block.shape[0]
+        blocks.append(matmul(F.pad(block, (0, 0, 0, size - n)) if n < size else block)[:n])
+        start += size
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # [M, N]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# (weight shape, dtype, kernel, tile, candidates, threads) -> the tiles giving the tile's bits
+_EQUAL: dict[tuple, tuple[int, ...]] = {}
+
+
+def equal_tiles(matmul: Matmul, weight: torch.Tensor, kernel: str, tile: int = ROW_TILE,
+                candidates: Sequence[int] = SMALL_TILES) -> tuple[int, ...]:
+    """`tile` and those of `candidates` whose blocks give each row the bits that blocks of
+    `tile` rows give it (random rows against `weight`: the kernel, its blocking and its order
+    of reduction follow from the call's shape, never from the values; a different order
+    rounds some of tile x N outputs differently). Measured once per shape, dtype, kernel and
+    thread count in a process."""
+    key = (tuple(weight.shape), weight.dtype, kernel, tile, tuple(candidates),
+           torch.get_num_threads())
+    if key not in _EQUAL:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(tile, weight.shape[1], generator=gen).to(weight.dtype)  # [tile, K]
+        with torch.inference_mode():
+            ref = matmul(x)  # [tile, N]
+            _EQUAL[key] = tuple(sorted({tile, *(
+                t for t in candidates if t < tile and tile % t == 0 and torch.equal(
+                    torch.cat([matmul(x[i:i + t]) for i in range(0, tile, t)]), ref))}))
+    return _EQUAL[key]
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -60,26 +102,33 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 class RowTiledLinear(nn.Linear):
-    """An nn.Linear whose forward is tiled_linear (same parameters, same state dict), on a
-    weight packed for the tile where the CPU allows (repacked if the weight is replaced)."""
+    """An nn.Linear whose forward is tiled_linear (same parameters, same state dict) on the
+    blocks `equal_tiles` allows, on a weight packed once where the CPU allows (repacked, and
+    the blocks checked again, if the weight or the thread count changes)."""
 
     tile = ROW_TILE
-    _packed: tuple[tuple, torch.Tensor] | None = None  # (what it was packed from, packed)
+    candidates: tuple[int, ...] = SMALL_TILES  # () pins every call to `tile` rows
+    _plan: tuple[tuple, Matmul, tuple[int, ...]] | None = None  # (made from, matmul, tiles)
 
-    def _matmul(self) -> Matmul | None:
+    def _prepare(self) -> tuple[Matmul, tuple[int, ...]]:
         weight = self.weight
-        if not packable(weight):
-            return None
         # An inference tensor has no version counter (and cannot change in place).
-        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, self.tile)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, torch.ops.mkldnn._reorder_linear_weight(weight, self.tile))
-        packed, bias = self._packed[1], self.bias
-        return lambda block: torch.ops.mkldnn._linear_pointwise(block, packed, bias, "none",
-                                                                [], "")
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, self.tile,
+               self.candidates, torch.get_num_threads())
+        if self._plan is None or self._plan[0] != key:
+            if packable(weight):
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.tile)
+                matmul, kernel = (lambda block: torch.ops.mkldnn._linear_pointwise(
+                    block, packed, self.bias, "none", [], "")), "onednn-packed"
+            else:
+                matmul, kernel = (lambda block: F.linear(block, self.weight, self.bias)), "linear"
+            self._plan = (key, matmul, equal_tiles(matmul, weight, kernel, self.tile,
+                                                   self.candidates))
+        return self._plan[1], self._plan[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x, self.weight, self.bias, self.tile, self._matmul())
+        matmul, tiles = self._prepare()
+        return tiled_linear(x, self.weight, self.bias, tiles, matmul)
 
 
 def make_row_invariant(module: nn.Module) -> int:

@@ -11,7 +11,8 @@ from torch import nn
 
 from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
 from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend
-from specdecode.executor.invariant_ops import (ROW_TILE, RowTiledLinear, is_row_invariant,
+from specdecode.executor.invariant_ops import (ROW_TILE, SMALL_TILES, RowTiledLinear,
+                                               block_sizes, equal_tiles, is_row_invariant,
                                                make_row_invariant, tiled_linear)
 from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
@@ -39,22 +40,67 @@ def test_a_tiled_row_is_the_same_bits_alone_and_among_any_number_of_rows(dtype, 
         assert torch.equal(tiled_linear(x[7:7 + ROW_TILE + 2], weight, bias), alone[7:ROW_TILE + 9])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES[:2])
-def test_a_row_tiled_linear_is_row_invariant_and_computes_what_tiles_of_f_linear_do(shape):
-    """bf16 on a CPU with bf16 units: the weight packed once for the tile gives F.linear's
-    bits on the same tiles; replacing the weight repacks it."""
+def test_a_row_tiled_linear_is_row_invariant_and_computes_what_tiles_of_f_linear_do(shape, dtype):
+    """On the blocks equal_tiles allows (bf16 on a CPU with bf16 units: a weight packed once;
+    float32: F.linear), every row gets the bits of F.linear on ROW_TILE-row blocks, alone or
+    among any number of rows; replacing the weight repacks it."""
     K, N = shape
     torch.manual_seed(0)
-    layer = nn.Linear(K, N, dtype=torch.bfloat16)
+    layer = nn.Linear(K, N, dtype=dtype)
     make_row_invariant(layer)
-    x = torch.randn(2 * ROW_TILE + 3, K, dtype=torch.bfloat16)
+    x = torch.randn(2 * ROW_TILE + 3, K, dtype=dtype)
     with torch.inference_mode():
         out = layer(x)
         assert torch.equal(out, tiled_linear(x, layer.weight, layer.bias))
+        for M in (1, 3, 4, 5, 8, 9, ROW_TILE + 1):
+            assert torch.equal(layer(x[:M]), out[:M]), M
         alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         assert torch.equal(out, alone)
         layer.weight = nn.Parameter(layer.weight * 2, requires_grad=False)
         assert torch.equal(layer(x), tiled_linear(x, layer.weight, layer.bias))
+
+
+def test_rows_go_to_full_tiles_then_to_the_smallest_tile_that_holds_the_rest():
+    tiles = (4, 8, 16)
+    assert block_sizes(1, tiles) == [4] and block_sizes(4, tiles) == [4]
+    assert block_sizes(5, tiles) == [8] and block_sizes(9, tiles) == [16]
+    assert block_sizes(16, tiles) == [16] and block_sizes(20, tiles) == [16, 4]
+    assert block_sizes(41, tiles) == [16, 16, 16] and block_sizes(0, tiles) == [4]
+    assert block_sizes(5, (16,)) == [16] and block_sizes(33, (16,)) == [16, 16, 16]
+
+
+def test_a_block_size_whose_bits_differ_is_not_allowed():
+    """A kernel whose rounding follows the block's row count (as a one-row matrix-vector
+    kernel's does) keeps only the sizes that agree with ROW_TILE's."""
+    weight = torch.randn(32, 64)
+
+    def matmul(block):  # differs in the last bit for blocks of 4 rows only
+        out = F.linear(block, weight)
+        return torch.nextafter(out, out + 1) if block.shape[0] == 4 else out
+    assert equal_tiles(matmul, weight, "test-4-differs") == (8, ROW_TILE)
+    assert equal_tiles(lambda b: F.linear(b, weight), weight, "test-plain") == (
+        *SMALL_TILES, ROW_TILE)  # F.linear in fp32 at 4, 8 and 16 rows: one kernel here
+
+
+def test_a_decode_multiplies_the_smallest_allowed_block_and_a_pinned_layer_its_tile():
+    layer = nn.Linear(64, 32)
+    make_row_invariant(layer)
+    seen = []
+    real = layer._prepare
+
+    def spy():
+        matmul, tiles = real()
+        return (lambda block: seen.append(block.shape[0]) or matmul(block)), tiles
+    layer._prepare = spy
+    with torch.inference_mode():
+        layer(torch.randn(1, 64))
+        layer(torch.randn(21, 64))  # 16 + 5
+        tiles = real()[1]
+        layer.candidates = ()
+        layer(torch.randn(1, 64))
+    assert seen == [min(tiles), ROW_TILE, min(t for t in tiles if t >= 5), ROW_TILE]
 
 
 def test_tiled_linear_keeps_leading_dimensions_and_empty_inputs():
