@@ -11,9 +11,9 @@ forward of fewer rows) in the smallest allowed block that holds it, zero-padded;
 block the row's place does not matter (measured). Which smaller blocks are allowed is
 measured, not assumed: `equal_tiles` keeps each of `SMALL_TILES` whose rows come out bit for
 bit as in ROW_TILE-row blocks, per weight shape, dtype, kernel and thread count (on an
-AVX512-BF16 CPU, 4 and 8 rows in bf16 do; one row, a matrix-vector kernel, does not). A
-decode then multiplies 4 rows, not 16; a forward of more than ROW_TILE rows reads the weights
-once per block.
+AVX512-BF16 CPU every size from 2 to 16 in bf16 does on a weight packed once; one row, a
+matrix-vector kernel, does not). A decode then multiplies 4 rows, not 16, and a verify of
+k + 1 rows k + 1; a forward of more than ROW_TILE rows reads the weights once per block.
 
 On a CPU with bf16 (or fp16) units, `RowTiledLinear` also packs its weight once into
 oneDNN's blocked layout (one layout serves every block size): the kernel and the result are
@@ -35,9 +35,11 @@ from torch import nn
 # A batch-1 verify (k <= 15) fits one block.
 ROW_TILE = 16
 # Smaller blocks a forward of few rows may use where they give ROW_TILE's bits (`equal_tiles`).
-# On the AVX512-BF16 EPYC, 8960 x 1536 bf16, every layer's in turn: 0.74 ms a call of 4 rows,
-# 1.00 of 8, 1.39 of 16, 1.10 of 2 (hence not 2) and 1.17 of 1 (docs/benchmarks.md).
-SMALL_TILES = (4, 8)
+# On the AVX512-BF16 EPYC every size from 2 to 16 does on a weight packed once, and a block of
+# 4-6 rows is the cheapest (Qwen 1.5B's gate_proj, every layer's in turn, 2 threads: 1.33 ms
+# for 1 row, 1.10 for 2, 0.97-1.00 for 4-6, 1.16 for 8, 1.67 for 16; docs/benchmarks.md):
+# a forward of M rows uses a block of max(M, 4) rows.
+SMALL_TILES = tuple(range(4, ROW_TILE))
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # [tile, K] -> [tile, N]
 
@@ -86,8 +88,9 @@ def equal_tiles(matmul: Matmul, weight: torch.Tensor, kernel: str, tile: int = R
         with torch.inference_mode():
             ref = matmul(x)  # [tile, N]
             _EQUAL[key] = tuple(sorted({tile, *(
-                t for t in candidates if t < tile and tile % t == 0 and torch.equal(
-                    torch.cat([matmul(x[i:i + t]) for i in range(0, tile, t)]), ref))}))
+                t for t in candidates if t < tile and torch.equal(  # the first tile // t blocks
+                    torch.cat([matmul(x[i:i + t]) for i in range(0, tile - t + 1, t)]),
+                    ref[:tile // t * t]))}))
     return _EQUAL[key]
 
 
