@@ -52,6 +52,7 @@ class ForwardCosts:
     # Live evidence that the table is stale: consecutive drifting forwards, row counts seen
     # in traffic that the grid lacks.
     _drifting: int = field(default=0, repr=False, compare=False)
+    _cheaper: int = field(default=0, repr=False, compare=False)  # of those, running cheaper
     rows_seen: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self):
@@ -104,8 +105,10 @@ class ForwardCosts:
             return False
         with self._lock:
             cell = self.seconds[i][j]
-            off = seconds > DRIFT * cell or seconds * DRIFT < cell
+            cheaper = seconds * DRIFT < cell
+            off = seconds > DRIFT * cell or cheaper
             self._drifting = self._drifting + 1 if off else 0
+            self._cheaper = self._cheaper + 1 if cheaper else 0
             self.seconds[i][j] += LIVE_WEIGHT * (seconds - cell)
             self._monotone()
         return True
@@ -113,6 +116,11 @@ class ForwardCosts:
     def stale(self) -> bool:
         """Live forwards drifted off the table, or traffic runs row counts it lacks."""
         return self._drifting >= DRIFT_RUN or bool(self.rows_seen)
+
+    def too_dear(self) -> bool:
+        """Stale in the way that can lock speculation off: live forwards ran cheaper than
+        their cells (a table taken on a busy host), or traffic ran row counts it lacks."""
+        return self._cheaper >= DRIFT_RUN or bool(self.rows_seen)
 
     def replace(self, measured: ForwardCosts | None) -> None:
         """Take a re-measured table's grid (a new version; None: keep this one, the
@@ -122,7 +130,7 @@ class ForwardCosts:
                 self.rows, self.tokens = list(measured.rows), list(measured.tokens)
                 self.seconds = [list(line) for line in measured.seconds]
                 self.version += 1
-            self._drifting = 0
+            self._drifting = self._cheaper = 0
             self.rows_seen = set()
 
     def ratio(self, other: ForwardCosts) -> float:

@@ -94,13 +94,13 @@ class Recalibrator:
     async def step(self) -> bool:
         """One check: re-measure if the table is stale; True when it was replaced."""
         stale = self.costs.stale()
-        if not self._idle(lasting=stale):
+        if not self._idle(lasting=self.costs.too_dear()):
             return False
         try:
             if not stale:
                 if time.monotonic() < self.next_probe or not await self._probe_off():
                     return False
-            return await self.remeasure(lasting=stale)
+            return await self.remeasure(lasting=self.costs.too_dear())
         except ForwardStopped:  # a call came during a cell: it went first
             return False
 
@@ -109,12 +109,16 @@ class Recalibrator:
         check (the other service's traffic on a shared host, another tenant), and none did
         within a random back-off before: two idle services on one host that both start to
         time see each other as load and both stop; held for different times, one goes
-        first and the other finds it busy, until it is done. `lasting` (a stale table): a
-        service held back by the host's load for lasting_s counts as idle (the load is the
-        host's condition), whether that load was busy at every check or came and went: under
-        busy loops that stay a table missing the row counts traffic ran was never
-        re-measured, and beside work that came and went neither (each busy check renewed
-        the back-off; CI's proposer, stale after traffic of 2 and 3 rows, waited 50 s)."""
+        first and the other finds it busy, until it is done. `lasting` (a table stale the
+        way that locks speculation off: ForwardCosts.too_dear): a service held back by the
+        host's load for lasting_s counts as idle (the load is the host's condition), whether
+        that load was busy at every check or came and went: under busy loops that stay a
+        table missing the row counts traffic ran was never re-measured, and beside work that
+        came and went neither (each busy check renewed the back-off; CI's proposer, stale
+        after traffic of 2 and 3 rows, waited 50 s). A table whose live forwards ran dearer
+        waits for a quiet host: timed beside the other service's plain decodes, a proposer
+        slowed them for 45 s and published a table x1.98 dearer, and the policy decoded
+        plainly meanwhile (adaptive_bench, Q&A: 0.78x own k=0)."""
         if self.model.idle_for() < self.idle_s:
             self.held_since = None
             return False

@@ -271,6 +271,32 @@ def test_a_stale_table_is_remeasured_under_a_load_that_comes_and_goes(runner):
     assert stale.rows == [1, 3] and stale.version == 1 and right.version == 0
 
 
+def test_under_a_lasting_load_only_a_table_too_dear_is_remeasured(runner):
+    """Live forwards off their cells by DRIFT, DRIFT_RUN in a row, under a load that lasts:
+    running cheaper (a table taken on a busy host, which keeps speculation off), the table is
+    re-measured under the load; running dearer (timed beside the other service's decodes on a
+    shared host), it waits for a quiet host: a proposer that timed its table under that load
+    slowed the scorer's plain decodes for 45 s and published a table x1.98 dearer."""
+    tables = [calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1) for _ in range(2)]
+    for costs, factor in zip(tables, (1 / (2 * DRIFT), 2 * DRIFT)):  # cheaper, dearer
+        for _ in range(DRIFT_RUN):
+            costs.observe(1, 1, factor * costs(1, 1))
+    cheaper, dearer = tables
+    assert cheaper.stale() and dearer.stale()
+    assert cheaper.too_dear() and not dearer.too_dear()
+    recalibrators = [Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0,
+                                  host=Host(busy=True), backoff_s=0.0, lasting_s=0.3)
+                     for costs in tables]
+
+    async def steps(n: int) -> list[list[bool]]:
+        return [[await r.step() for r in recalibrators] for _ in range(n)]
+    assert asyncio.run(steps(2)) == [[False, False]] * 2
+    time.sleep(0.35)
+    results = asyncio.run(steps(2))
+    assert cheaper.version == 1 or not cheaper.stale()  # re-measured (a new table, or right)
+    assert [r[1] for r in results] == [False, False] and dearer.stale()
+
+
 def test_a_busy_host_holds_the_timing_back_for_a_while(runner):
     """Busy once, then quiet: nothing is timed until the back-off (half to all of backoff_s)
     has passed: two services that found each other's timing as load do not start again
