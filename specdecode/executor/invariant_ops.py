@@ -125,6 +125,7 @@ class RowTiledLinear(nn.Linear):
                     block, packed, self.bias, "none", [], "")), "onednn-packed"
             else:
                 matmul, kernel = (lambda block: F.linear(block, self.weight, self.bias)), "linear"
+            kernel += "+bias" if self.bias is not None else ""  # a fused post-op
             self._plan = (key, matmul, equal_tiles(matmul, weight, kernel, self.tile,
                                                    self.candidates))
         return self._plan[1], self._plan[2]

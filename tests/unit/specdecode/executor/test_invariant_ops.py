@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
+from specdecode.executor import invariant_ops
 from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend
 from specdecode.executor.invariant_ops import (ROW_TILE, SMALL_TILES, RowTiledLinear,
                                                block_sizes, equal_tiles, is_row_invariant,
@@ -86,6 +87,18 @@ def test_a_block_size_whose_bits_differ_is_not_allowed():
     assert equal_tiles(matmul, weight, "test-4-differs") == tuple(
         t for t in (*SMALL_TILES, ROW_TILE) if t != 4)
     assert equal_tiles(rowwise, weight, "test-rowwise") == (*SMALL_TILES, ROW_TILE)
+
+
+def test_a_layer_with_a_bias_has_its_blocks_checked_apart_from_one_without():
+    """Qwen's q_proj (a bias, fused into the kernel) and o_proj (none) share a shape: what one
+    kernel allows is not taken for the other."""
+    layers = [nn.Linear(48, 40, bias=b) for b in (True, False)]
+    with torch.inference_mode():
+        for layer in layers:
+            make_row_invariant(layer)
+            layer(torch.randn(1, 48))
+    kernels = {key[2] for key in invariant_ops._EQUAL if key[0] == (40, 48)}
+    assert len(kernels) == 2 and sum(k.endswith("+bias") for k in kernels) == 1
 
 
 def test_a_decode_multiplies_the_smallest_allowed_block_and_a_pinned_layer_its_tile():
