@@ -542,7 +542,7 @@ def tiled(weight: torch.Tensor, tile: int) -> RowTiledLinear:
 
 
 def row_blocks(runner: ModelRunner) -> str:
-    """The block sizes the runner's row-invariant linears use (after a forward), e.g. '4/8/16'."""
+    """The block sizes the runner's row-invariant linears use (after a forward), '/'-joined."""
     sizes = {m._plan[2] for m in runner.model.modules()
              if isinstance(m, RowTiledLinear) and m._plan is not None}
     return " | ".join("/".join(map(str, s)) for s in sorted(sizes)) or "?"
