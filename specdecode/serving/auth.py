@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
+from specdecode.serving.refusal import refusal
+
 log = logging.getLogger(__name__)
 
 OPEN_SERVICES = (f"/{health.SERVICE_NAME}/",)
@@ -80,27 +82,6 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def _refusal(handler, message: str):
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, **kw)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(stream, **kw)
-
-
 class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuses calls without a listed bearer token (UNAUTHENTICATED), except health checks."""
 
@@ -115,7 +96,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
                        if k == "authorization"), None)
         if self.tokens.authenticate(header) is None:
             reason = "missing" if header is None else "invalid"
-            return _refusal(handler, f"authorization: {reason} bearer token")
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                           f"authorization: {reason} bearer token")
         return handler
 
 

@@ -23,7 +23,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdecode.telemetry import tracing
-from specdecode.serving.auth import BearerAuth, TokenSet
+from specdecode.serving.auth import OPEN_SERVICES, BearerAuth, TokenSet
+from specdecode.serving.refusal import refusal
 from specdecode.errors import INTERNAL, message_of, status_of
 from specdecode.telemetry.served_metrics import SERVED
 from specdecode.serving.strict_decoding import StrictDecoding
@@ -306,6 +307,23 @@ class ServerTracing(grpc.aio.ServerInterceptor):
         return traced
 
 
+class Draining(grpc.aio.ServerInterceptor):
+    """Once `stopping` is set (SIGTERM), every new call but a health check gets UNAVAILABLE.
+    grpcio's own stop refuses new calls too, but it starts a moment after health turns
+    NOT_SERVING; a call accepted in between would meet a draining engine (docs/design.md,
+    *SIGTERM*)."""
+
+    def __init__(self, stopping: asyncio.Event):
+        self.stopping = stopping
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not self.stopping.is_set() or \
+                details.method.startswith(OPEN_SERVICES):
+            return handler
+        return refusal(handler, grpc.StatusCode.UNAVAILABLE, "server: draining (shutting down)")
+
+
 class GrpcServer:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`), reflection, and
     server spans (see ServerTracing; `start_traces` is False for the internal services)."""
@@ -316,7 +334,8 @@ class GrpcServer:
         check_port_free(options.host, options.port, "--port")
         check_port_free(options.metrics_host or options.host, options.metrics_port,
                         "--metrics-port")
-        interceptors = [StrictDecoding(), ServerTracing(start_traces)]
+        self._stopping = asyncio.Event()
+        interceptors = [Draining(self._stopping), StrictDecoding(), ServerTracing(start_traces)]
         if options.auth_token_file:  # outermost: refuse before any work
             interceptors.insert(0, BearerAuth(TokenSet(options.auth_token_file)))
         self.server = grpc.aio.server(options=options.server_options + KEEPALIVE_SERVER_OPTIONS,
@@ -336,7 +355,6 @@ class GrpcServer:
         except RuntimeError:  # taken between the check and here
             raise PortInUseError(f"--port {address} is not available") from None
         self.metrics = SERVED
-        self._stopping = asyncio.Event()
 
     async def _set_status(self, status) -> None:
         for name in ["", *self.service_names]:
