@@ -158,8 +158,8 @@ class Run:
                         draft_confidence=0.0) as s:
             for k in ks:
                 self.batch1(f"stack fixed k={k}, {scoring}", s, k)
-            if scoring == "multi-query" and streams:
-                self.streams("stack fixed k=4, multi-query", s, 4)
+            for k in ks if scoring == "multi-query" and streams else []:
+                self.streams(f"stack fixed k={k}, multi-query", s, k)
 
     def vllm(self, python: str, ks: list[int], log_dir: Path) -> None:
         """vLLM's CPU backend on the whole machine (bench/harness.py, Vllm), the target alone
@@ -213,7 +213,8 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
               help="Runs per prompt of the stack at defaults and at its own k=0 (alternating).")
 @click.option("--classes", default=",".join(PROMPTS), show_default=True)
 @click.option("--fixed-k", default="2,4,8", show_default=True)
-@click.option("--be-k", default=None, help="Fixed k for batch expansion [2,4,8; --quick: 4].")
+@click.option("--be-k", default=None, help="Fixed k for batch expansion [2,4,8; --quick: 4; "
+              "\"\": none].")
 @click.option("--hf-k", default=None, help="HF assisted constant k [2,4,8; --quick: 4].")
 @click.option("--draft-vocab", default=0 if StackConfig.draft_vocab_size else 32768,
               show_default=True, help="The `pruned` part's draft head: the one the defaults do "
@@ -231,7 +232,8 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
               help="ref: HF target-only (the reference for tokens/s and equality); hf: HF "
                    "assisted and prompt lookup; defaults: the stack at its defaults and at "
                    "k=0; streams: 4 concurrent streams; pruned: defaults with the other draft "
-                   "head (--draft-vocab); fixed: fixed k, both scorers; ngram: the n-gram proposer at defaults "
+                   "head (--draft-vocab); fixed: fixed k, both scorers (with streams, "
+                   "multi-query's k as streams too); ngram: the n-gram proposer at defaults "
                    "and at k=0; busy: the defaults on a stack started while busy loops held "
                    "every core, run --busy-wait seconds after the load ended; vllm: vLLM's "
                    "CPU backend at each --vllm-k, batch 1 and all prompts as streams.")
@@ -242,7 +244,7 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
          ngram_k_max, busy_wait, parts, results, pair, vllm_python, vllm_k) -> None:
     max_tokens = max_tokens or (16 if quick else 32)
-    be_ks, hf_ks = (ints(x or ("4" if quick else "2,4,8")) for x in (be_k, hf_k))
+    be_ks, hf_ks = (ints(("4" if quick else "2,4,8") if x is None else x) for x in (be_k, hf_k))
     target_dir, draft_dir, encode = pair_dirs(pair)
     classes = [(c, encode(p)) for c in classes.split(",") for p in PROMPTS[c][:1 if quick else 2]]
     for dtype in dtypes.split(","):

@@ -173,7 +173,8 @@ def trace_batch(engine, policy, seen, ahead, batch: list[tuple[str, list[int]]],
 @click.option("--two-hosts", is_flag=True,
               help="Pin the proposer to core 0 and the scorer to core 1 (async_bench's two hosts).")
 @click.option("--streams", is_flag=True,
-              help="The classes' requests at once, one batch (else one after the other).")
+              help="All the classes' prompts at once, one batch (adaptive_bench's streams; "
+              "else each class's first prompt, one after the other).")
 @click.option("--async-drafting", default="off", type=click.Choice(["auto", "on", "off"]),
               show_default=True, help="Draft ahead as `up` would (priced with the services' "
               "cores shared, or not with --two-hosts).")
@@ -193,8 +194,8 @@ def trace(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams, as
                           num_speculative_tokens=k_max,
                           pin={"proposer": "0", "scorer": "1"} if two_hosts else {})
     names = classes.split(",")
-    batches = [[(n, encode(PROMPTS[n][0])) for n in names]] if streams else [
-        [(n, encode(PROMPTS[n][0]))] for n in names]
+    batches = [[(f"{n}{i}", encode(p)) for n in names for i, p in enumerate(PROMPTS[n])]] \
+        if streams else [[(n, encode(PROMPTS[n][0]))] for n in names]
     with LocalStack(config) as stack:
         proposer, scorer, p_info, s_info = connect_services(
             stack.service_addresses["proposer"], stack.service_addresses["scorer"], [],

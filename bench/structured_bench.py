@@ -140,15 +140,17 @@ def engines(pair: str, dtype: str, ks: list[int], draft_vocab: int, defaults: bo
     """path -> (engine, the request's k): fixed k with multi-query scoring, and (defaults) a
     second pair of models under the stack's defaults; the tokenizer; the prompts."""
     target, draft, tok, draft_dir, prompts = load_pair(pair, getattr(torch, dtype))
+    invariant = dtype in ("bfloat16", "float16")  # the services' --deterministic auto
     fixed = build_inprocess_engine(target, draft, "multi-query", max(ks), tokenizer=tok,
-                                   draft_vocab_size=draft_vocab, draft_dir=draft_dir)
+                                   draft_vocab_size=draft_vocab, draft_dir=draft_dir,
+                                   deterministic=invariant)
     paths = {k: (fixed, k) for k in ks}
     if defaults:  # its own models: the pruned head replaced the other draft's
         target, draft, *_ = load_pair(pair, getattr(torch, dtype))
         engine = build_inprocess_engine(target, draft, "auto", DEFAULT_K, tokenizer=tok,
                                         adaptive=True, draft_vocab_size=draft_vocab,
                                         draft_dir=draft_dir, draft_confidence=0.4,
-                                        deterministic=dtype in ("bfloat16", "float16"))
+                                        deterministic=invariant)
         paths |= {"defaults": (engine, DEFAULT_K), "defaults k=0": (engine, 0)}
     return paths, tok, prompts
 
@@ -162,6 +164,7 @@ def path_row(path, rs, own, reference, tok, eos) -> dict:
     return {"k": path, "tokens_per_s": statistics.median(tps), "tokens_per_s_runs": tps,
             "speedup": statistics.median(ratios), "speedup_runs": ratios,
             "acceptance": r0["accepted"] / r0["draft"] if r0["draft"] else None,
+            "draft_tokens": r0["draft"],
             "forced_share": r0["forced"] / r0["tokens"],
             "grammar_us_per_token": r0["grammar_s"] / r0["tokens"] * 1e6,
             "us_per_mask": r0["grammar_s"] / max(r0["masks"], 1) * 1e6,
