@@ -53,6 +53,11 @@ EXTRA_MIN = 0.25  # a verify's cost beyond a decode, in decodes, that a correcti
 GAIN_MARGIN = 1.02  # speculation must beat plain decoding by 2% (noise in the costs)
 HOST_DRIFT = 1.3  # the scorer's scale moved this far: the draft's factors follow it
 NO_MATCH_RATE = 0.5  # an n-gram sequence matching less often than this: "no_match"
+# A catch-up this small beside the steady forwards (the draft 3-4 tokens behind after a
+# grammar's forced tokens) is within their noise: its factor, the rest of the step over a
+# few milliseconds, read 20x (FACTOR_RANGE's top), priced a 77-token catch-up at 5.4 s and
+# kept JSON-schema requests plain (docs/design.md, *Noisy hosts and thin evidence*).
+CATCH_UP_MIN = 0.5
 
 
 
@@ -428,16 +433,17 @@ class SpeculationPolicy:
         steady factor. One time cannot tell two factors apart: until a steady step was
         measured, a step with a catch-up teaches both the same one (the first exploration
         always reads the prompt; charged to the catch-up alone, it left a start-up table
-        8x too dear pricing every later draft step, and speculation never ran again)."""
+        8x too dear pricing every later draft step, and speculation never ran again). A
+        catch-up below CATCH_UP_MIN of the steady forwards teaches only the steady factor."""
         if catch_up and self.draft_factor.n == 0:
             both = factor_of(measured, steady + catch_up)
             self.draft_factor.add(both)
             self.catch_up_factor.add(both)
-        elif catch_up:
+        elif catch_up >= CATCH_UP_MIN * steady:
             self.catch_up_factor.add(factor_of(measured - self.draft_factor.value * steady,
                                              catch_up))
-        else:
-            self.draft_factor.add(factor_of(measured, steady))
+        else:  # none, or too small to tell from the steady forwards' noise
+            self.draft_factor.add(factor_of(measured, steady + catch_up))
 
     def draft_token_seconds(self, rows: int) -> float:
         """One draft forward of `rows` rows, as learned (0: no draft table)."""

@@ -369,3 +369,21 @@ def test_the_unchecked_budget_outlives_a_moving_host():
     explored = [i for i, (plan, _) in enumerate(plans) if plan.explore]
     assert explored and explored[0] <= 8, [plan.reasons for plan, _ in plans]  # before: no_budget
     assert sum(s for _, s in plans) < 0.65 * 64 * (0.004 + true_scorer(1, 1))
+
+
+def test_a_catch_up_too_small_to_measure_teaches_no_catch_up_factor():
+    """A grammar's forced tokens leave the draft 3 tokens behind on most steps: that catch-up
+    costs a millisecond, and the step's noise (20 ms here) over it read a factor of 20,
+    which priced a long catch-up 20x and kept the sequence plain. Such a step is read as a
+    steady one: the catch-up factor stays, the steady factor takes the noise's small share."""
+    p = policy(table(0.2, 0.01), table(0.02, 0.002))
+    teach(p, 1, 3, 4)
+    for _ in range(9):
+        plan = p.plan([Candidate(1, 4, behind=3, remaining=60)])
+        assert plan.ks[0] and 0 < plan.catch_up < 0.05 * plan.draft_s
+        propose_s = plan.draft_s + plan.catch_up + 0.02
+        p.observe_step(plan, plan.ks, propose_s, 0.24, 0.24 + propose_s)
+    assert p.catch_up_factor.value == 1.0
+    assert 1.0 < p.draft_factor.value < 1.5
+    far = p.plan([Candidate(1, 4, behind=77, remaining=60)])
+    assert far.ks[0] and far.catch_up_s == pytest.approx(far.catch_up)
