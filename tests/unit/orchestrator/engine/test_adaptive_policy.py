@@ -387,3 +387,20 @@ def test_a_catch_up_too_small_to_measure_teaches_no_catch_up_factor():
     assert 1.0 < p.draft_factor.value < 1.5
     far = p.plan([Candidate(1, 4, behind=77, remaining=60)])
     assert far.ks[0] and far.catch_up_s == pytest.approx(far.catch_up)
+
+
+def test_a_strong_prior_yields_to_the_sequences_own_evidence():
+    """Code prompts left a prior of 16 trials at 0.9; a prose sequence then accepts half of
+    its first and of its later positions (k = 4: one step rejects the first proposal, the
+    next accepts two and rejects the third). Its own counts are decayed (DECAY 0.8: about
+    4.5 trials of first positions after ten steps), so a prior that kept all 16 trials held
+    it at ~0.81 for good; yielding a trial per position tested (down to PRIOR_WEIGHT, 2), it
+    reads ~0.62 after ten steps, while a fresh sequence still starts at the prior."""
+    from orchestrator.engine.policy_estimates import DECAY, Acceptance, Rate
+    a, prior = Acceptance(), Rate(0.9, 0.9)
+    assert a.alpha(prior, 16.0).first == pytest.approx(0.9)
+    for step in range(10):
+        a.update(4, 4, 0 if step % 2 == 0 else 2, DECAY)
+    assert a.positions == 20
+    est = a.alpha(prior, 16.0)
+    assert 0.55 < est.first < 0.7 and 0.55 < est.rest < 0.7, est
