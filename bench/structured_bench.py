@@ -29,6 +29,7 @@ from orchestrator.engine.request import Request  # noqa: E402
 from specdecode.grammar.spec import StructuredOutput  # noqa: E402
 from specdecode.models.model_packages import fetch  # noqa: E402
 from specdecode.models.checkpoints import load_model, load_tokenizer  # noqa: E402
+from specdecode.models.model_loading import resolve_deterministic  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
 from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model, byte_tokenizer  # noqa: E402
 from specdecode_stack.inprocess import build_inprocess_engine  # noqa: E402
@@ -140,7 +141,7 @@ def engines(pair: str, dtype: str, ks: list[int], draft_vocab: int, defaults: bo
     """path -> (engine, the request's k): fixed k with multi-query scoring, and (defaults) a
     second pair of models under the stack's defaults; the tokenizer; the prompts."""
     target, draft, tok, draft_dir, prompts = load_pair(pair, getattr(torch, dtype))
-    invariant = dtype in ("bfloat16", "float16")  # the services' --deterministic auto
+    invariant = resolve_deterministic("auto", dtype)  # as the services run by default
     fixed = build_inprocess_engine(target, draft, "multi-query", max(ks), tokenizer=tok,
                                    draft_vocab_size=draft_vocab, draft_dir=draft_dir,
                                    deterministic=invariant)
