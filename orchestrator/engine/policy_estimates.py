@@ -336,6 +336,11 @@ class Learned:
         if self.cautious and self.n < LEARNED_TRUST:
             self.value = min(self.value, statistics.median([*self.recent, self.guess, self.guess]))
 
+    @property
+    def measured(self) -> float:
+        """The samples' median, without the guess's caution (the guess before any)."""
+        return statistics.median(self.recent) if self.recent else self.value
+
     def scale(self, factor: float) -> None:
         """Every sample, the guess and the value times `factor`."""
         self.recent = deque((x * factor for x in self.recent), maxlen=LEARNED_WINDOW)

@@ -391,18 +391,25 @@ class SpeculationPolicy:
         """The RPC (the call less the time the scorer reports: 0 in-process, where nothing is
         reported) and the scorer's forward over the table's cell: on a plain step the host's
         scale, on a verify the shape's correction at its width (over the host's scale, so a
-        change of load, seen on plain steps, moves every width)."""
+        change of load, seen on plain steps, moves every width). The shape is over the
+        host's scale as measured, not its cautious value, and shapes learned before the
+        first plain step are divided by it: they hold the host's load, and counted again
+        in the host's scale once it followed, a load the tables missed priced every verify
+        at its square (docs/design.md, *Noisy hosts and thin evidence*)."""
         if busy > 0:
             self.rpc_s.add(max(score_s - busy, 0.0))
         forward = busy if busy > 0 else score_s - self.rpc_s.value
         ratio = factor_of(forward, verify_seconds(self.scorer_costs, method, lens))
         width = verify_width(method, lens)
         if width == 1:
+            if self.verify_host.n == 0:  # the shapes so far hold the host's scale too
+                for shape in self.verify_shape.values():
+                    shape.scale(1 / ratio)
             self.verify_host.add(ratio)
             self._follow_host()
         else:
             shape = self.verify_shape.setdefault(width, Learned(1.0, cautious=True))
-            shape.add(ratio / self.verify_host.value)
+            shape.add(ratio / self.verify_host.measured)
             if not self.checked:
                 self.checked, self.unchecked_plain_s = True, 0.0
 

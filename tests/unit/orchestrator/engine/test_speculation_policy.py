@@ -178,6 +178,26 @@ def test_a_table_measured_under_load_does_not_lock_speculation_off(monkeypatch):
     assert not any(plan.ks[0] for plan in locked) and locked[-2].reasons == ["no_budget"]
 
 
+def test_a_load_the_tables_missed_is_not_counted_twice():
+    """Both tables timed on an idle host, every forward since twice as slow (a busy loop on
+    each service's core: tests/integration/test_second_orchestrator.py with two beside the
+    suite). A fresh request's first step explores: its verify, read 2x its table before any
+    plain step measured the host, holds the host's scale. Counted as the width's shape and
+    then again in the host's scale the plain steps learn, every verify was priced 4x its
+    table beside plain decodes at 2x, explorations' predicted losses outgrew their budget
+    and the second orchestrator decoded 22 of 29 steps plainly (verify_too_dear). Learned
+    over the host as measured, a verify is priced as dear as it is, beside a decode."""
+    table, true = fp32_tables(), fp32_tables(2.0)
+    p = SpeculationPolicy(8, scorer_costs=table[0], draft_costs=table[1])
+    plans = drive(p, 64, true)
+    assert plans[0].explore and p.verify_host.n >= 1 and p.verify_shape
+    for width in p.verify_shape:  # the table's shape was right: only its scale was off
+        priced = p._verify_factor(width) * table[0](1, width) / (
+            p._verify_factor(1) * table[0](1, 1))
+        assert priced == pytest.approx(true[0](1, width) / true[0](1, 1), rel=0.3), width
+    assert sum(1 for plan in plans[1:-1] if not plan.ks[0]) <= 1
+
+
 def test_a_remeasured_table_replaces_the_policys():
     """The service re-measured its table while idle (specdecode.serving.recalibration): the next
     plan prices with it, and what was learned against the old table is forgotten."""
