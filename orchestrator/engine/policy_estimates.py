@@ -352,34 +352,40 @@ class Learned:
 
 @dataclass
 class Realized:
-    """Speculative steps' predicted seconds over their measured ones, at one batch size:
-    the residual the policy's corrections leave (widths and row counts no step measured
-    yet, costs outside any table). A ratio of decayed sums. Times only: a step's tokens
-    are a skewed draw (at 50% acceptance and k = 2, 1 token half the time, a mean of
-    1.75), and ten steps' worth of them, clipped at 1, read prose's predictions as too
-    hopeful (1.14x → 1.04x own k=0); acceptance is learned per sequence."""
+    """Speculative steps' measured tokens per second over what the policy predicted for
+    them, at one batch size: the residual its corrections leave (widths and row counts no
+    step measured yet, acceptance estimates that lag, costs outside any table). A ratio of
+    decayed sums, a mean and not a median: a step's tokens are a skewed draw (at 50%
+    acceptance and k = 2, 1 token half the time and a mean of 1.75)."""
 
-    predicted: float = 0.0
+    tokens: float = 0.0
     seconds: float = 0.0
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
     steps: float = 0.0
 
-    def add(self, predicted: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, predicted_tokens: float,
+            predicted_seconds: float) -> None:
         d = REALIZED_DECAY
-        self.predicted = d * self.predicted + predicted
+        self.tokens = d * self.tokens + tokens
         self.seconds = d * self.seconds + seconds
+        self.predicted_tokens = d * self.predicted_tokens + predicted_tokens
+        self.predicted_seconds = d * self.predicted_seconds + predicted_seconds
         self.steps = d * self.steps + 1.0
 
     def fade(self, decay: float) -> None:
-        """The sums times `decay` (the ratio stays; its evidence, `steps`, shrinks)."""
-        self.predicted, self.seconds, self.steps = (
-            decay * self.predicted, decay * self.seconds, decay * self.steps)
+        """Every sum times `decay` (the ratio stays; its evidence, `steps`, shrinks)."""
+        for name in ("tokens", "seconds", "predicted_tokens", "predicted_seconds", "steps"):
+            setattr(self, name, decay * getattr(self, name))
 
     def ratio(self) -> float:
-        """Predicted over measured seconds, at most 1 (1 before REALIZED_MIN steps): a
-        prediction is trusted down, never up."""
-        if self.steps < REALIZED_MIN or self.seconds <= 0:
+        """Measured over predicted tokens per second, at most 1 (1 before REALIZED_MIN
+        steps): a prediction is trusted down, never up."""
+        if self.steps < REALIZED_MIN or min(self.seconds, self.predicted_tokens) <= 0:
             return 1.0
-        return min(self.predicted / self.seconds, 1.0)
+        measured = self.tokens / self.seconds
+        predicted = self.predicted_tokens / self.predicted_seconds
+        return min(measured / predicted, 1.0)
 
 
 def factor_of(measured: float, predicted: float) -> float:

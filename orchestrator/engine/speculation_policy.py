@@ -461,13 +461,13 @@ class SpeculationPolicy:
             self.draft_factor.add(factor_of(measured, steady + catch_up))
 
     def _realized(self, rows: int) -> float:
-        """Predicted over measured seconds of speculative steps of `rows` rows (Realized:
-        at most 1; 1 before any)."""
+        """Measured over predicted tokens per second of speculative steps of `rows` rows
+        (Realized: at most 1; 1 before any)."""
         realized = self.realized.get(rows)
         return 1.0 if realized is None else realized.ratio()
 
-    def observe_outcome(self, plan: Plan, seconds: float) -> None:
-        """A step's whole seconds beside the plan's prediction: a speculative
+    def observe_outcome(self, plan: Plan, tokens: int, seconds: float) -> None:
+        """A step's tokens and whole seconds beside the plan's prediction: a speculative
         step that read no catch-up (whose prediction spreads it over later steps) teaches
         Realized; a plain step fades what it learned at that batch size (IDLE_DECAY: below
         REALIZED_MIN steps, 14-60 plain steps on, it no longer corrects, and speculation is
@@ -476,7 +476,8 @@ class SpeculationPolicy:
             if (realized := self.realized.get(len(plan.ks))) is not None:
                 realized.fade(IDLE_DECAY)
         elif self.adaptive and not plan.catch_up and seconds > 0 and plan.seconds > 0:
-            self.realized.setdefault(len(plan.ks), Realized()).add(plan.seconds, seconds)
+            self.realized.setdefault(len(plan.ks), Realized()).add(
+                tokens, seconds, plan.expected_tokens, plan.seconds)
 
     def draft_token_seconds(self, rows: int) -> float:
         """One draft forward of `rows` rows, as learned (0: no draft table)."""

@@ -223,7 +223,7 @@ def four_streams(slower: float, steps: int) -> tuple[SpeculationPolicy, list]:
         plan = p.plan([Candidate(seq, 8, remaining=200) for seq in range(4)])
         for seq, k in enumerate(plan.ks):
             p.observe(seq, k, k, k - k // 3)
-        p.observe_outcome(plan, plan.seconds * (slower if any(plan.ks) else 1))
+        p.observe_outcome(plan, round(plan.expected_tokens), plan.seconds * (slower if any(plan.ks) else 1))
         plans.append(plan)
     return p, plans
 
