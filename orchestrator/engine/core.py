@@ -228,7 +228,6 @@ class SpecDecodeEngine:
                                      stats.score_s, stats.total_s - stats.lookahead_wait_s,
                                      {role: s.busy_s for role, s in stats.services.items()
                                       if role != "proposer" or not ahead})
-            self.policy.observe_outcome(plan, sum(map(len, emitted)), stats.total_s)
         self.last_step = stats
         return outputs
 

@@ -54,8 +54,6 @@ LEARNED_WINDOW = 9  # a learned time or factor: the median of this many recent s
 FACTOR_RANGE = (0.05, 20.0)  # bounds on a learned cost factor (one wild sample)
 LEARNED_TRUST = 3  # ... a cautious one believes a dearer reading from this many on
 TRUST_START, TRUST_GROWTH = 2, 4  # k on a sequence's own evidence: 2, then 4x its accepted
-REALIZED_DECAY = 0.9  # weight of earlier speculative steps in Realized (about ten steps)
-REALIZED_MIN = 3.0  # ... and the (decayed) steps it needs before it corrects a prediction
 
 
 @dataclass(frozen=True)
@@ -348,44 +346,6 @@ class Learned:
         self.recent = deque((x * factor for x in self.recent), maxlen=LEARNED_WINDOW)
         self.value *= factor
         self.guess *= factor
-
-
-@dataclass
-class Realized:
-    """Speculative steps' measured tokens per second over what the policy predicted for
-    them, at one batch size: the residual its corrections leave (widths and row counts no
-    step measured yet, acceptance estimates that lag, costs outside any table). A ratio of
-    decayed sums, a mean and not a median: a step's tokens are a skewed draw (at 50%
-    acceptance and k = 2, 1 token half the time and a mean of 1.75)."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    predicted_tokens: float = 0.0
-    predicted_seconds: float = 0.0
-    steps: float = 0.0
-
-    def add(self, tokens: float, seconds: float, predicted_tokens: float,
-            predicted_seconds: float) -> None:
-        d = REALIZED_DECAY
-        self.tokens = d * self.tokens + tokens
-        self.seconds = d * self.seconds + seconds
-        self.predicted_tokens = d * self.predicted_tokens + predicted_tokens
-        self.predicted_seconds = d * self.predicted_seconds + predicted_seconds
-        self.steps = d * self.steps + 1.0
-
-    def fade(self, decay: float) -> None:
-        """Every sum times `decay` (the ratio stays; its evidence, `steps`, shrinks)."""
-        for name in ("tokens", "seconds", "predicted_tokens", "predicted_seconds", "steps"):
-            setattr(self, name, decay * getattr(self, name))
-
-    def ratio(self) -> float:
-        """Measured over predicted tokens per second, at most 1 (1 before REALIZED_MIN
-        steps): a prediction is trusted down, never up."""
-        if self.steps < REALIZED_MIN or min(self.seconds, self.predicted_tokens) <= 0:
-            return 1.0
-        measured = self.tokens / self.seconds
-        predicted = self.predicted_tokens / self.predicted_seconds
-        return min(measured / predicted, 1.0)
 
 
 def factor_of(measured: float, predicted: float) -> float:

@@ -38,8 +38,7 @@ from orchestrator.engine.policy_estimates import (DECAY, EXPLORE_AT_ONCE_GAIN, E
                                                   EXPLORE_REQUEST_CAP, EXPLORE_SHARE,
                                                   EXPLORE_UNCHECKED_SHARE, GLOBAL_DECAY,
                                                   IDLE_DECAY, Acceptance, Learned, Rate,
-                                                  PriorWeight, Realized, draft_seconds,
-                                                  expected_tokens,
+                                                  PriorWeight, draft_seconds, expected_tokens,
                                                   factor_of, length_pmf, point_pmf,
                                                   trusted_limits, verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
@@ -106,7 +105,6 @@ class SpeculationPolicy:
         self.catch_up_factor = Learned(1.0, cautious=True)  # ... a catch-up's extra width
         self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
-        self.realized: dict[int, Realized] = {}  # batch size -> what its predictions gave
         self.unchecked_plain_s = 0.0  # plain time decoded on them since last checked
 
     def update_table(self, role: str, costs: ForwardCosts) -> None:
@@ -147,15 +145,13 @@ class SpeculationPolicy:
             return self._evaluate(ks, al, rs, conts, candidates)
         plain = evaluate([0] * len(caps))
         best_spec = self._search(trusted, alphas, rates, evaluate)
-        # A gain within what this batch size's predictions have been missing by is none.
-        bar = rate(plain) * GAIN_MARGIN / self._realized(len(candidates))
         best = plain
-        if best_spec is not None and rate(best_spec) > bar:
+        if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
             best = best_spec
         else:  # the evidence against speculating may be thin: what it could still gain
             hopeful = [a.alpha(prior, weight, OPTIMISM if a.positions else 0.0) for a in est]
             spec = self._search(trusted, hopeful, rates, lambda ks: evaluate(ks, hopeful))
-            if spec is not None and rate(spec) > bar:
+            if spec is not None and rate(spec) > rate(plain) * GAIN_MARGIN:
                 best = evaluate(spec.ks)  # priced at the posterior means
         # The most speculation could gain: fully accepted, every proposal found, at up to
         # the caps, its steady steps (the catch-up is a probe's price, not the gain's).
@@ -167,11 +163,9 @@ class SpeculationPolicy:
                         / rate(plain)
                         for K in range(1, max(full, default=0) + 1)), default=1.0)
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
-        unrealized = (not any(best.ks) and best_spec is not None
-                      and rate(best_spec) > rate(plain) * GAIN_MARGIN)
         chosen.speedup = rate(chosen) / rate(plain)
         chosen.best_speedup = rate(best_spec) / rate(plain) if best_spec else 1.0
-        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget, unrealized)
+        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget)
         if any(chosen.ks) and not chosen.explore:  # others' acceptance is evidence
             for a, k, cap in zip(est, chosen.ks, hard):
                 if cap and not k:
@@ -200,12 +194,10 @@ class SpeculationPolicy:
         return best
 
     def _reasons(self, plan: Plan, caps: list[int], rates: list[float], sure: float,
-                 over_budget: bool, unrealized: bool) -> list[str]:
+                 over_budget: bool) -> list[str]:
         """Why each sequence got its k (REASONS)."""
         if not self.checked:  # the tables say no; an exploration is to check them
             plain_why = "no_budget" if over_budget else "exploration_pending"
-        elif unrealized:  # predicted to pay, by less than this batch size's steps missed by
-            plain_why = "unrealized"
         else:
             plain_why = "verify_too_dear" if sure <= GAIN_MARGIN else ""
         out = []
@@ -459,25 +451,6 @@ class SpeculationPolicy:
                                              catch_up))
         else:  # none, or too small to tell from the steady forwards' noise
             self.draft_factor.add(factor_of(measured, steady + catch_up))
-
-    def _realized(self, rows: int) -> float:
-        """Measured over predicted tokens per second of speculative steps of `rows` rows
-        (Realized: at most 1; 1 before any)."""
-        realized = self.realized.get(rows)
-        return 1.0 if realized is None else realized.ratio()
-
-    def observe_outcome(self, plan: Plan, tokens: int, seconds: float) -> None:
-        """A step's tokens and whole seconds beside the plan's prediction: a speculative
-        step that read no catch-up (whose prediction spreads it over later steps) teaches
-        Realized; a plain step fades what it learned at that batch size (IDLE_DECAY: below
-        REALIZED_MIN steps, 14-60 plain steps on, it no longer corrects, and speculation is
-        tried again)."""
-        if not any(plan.ks):  # plain: the evidence fades, and in time is tested again
-            if (realized := self.realized.get(len(plan.ks))) is not None:
-                realized.fade(IDLE_DECAY)
-        elif self.adaptive and not plan.catch_up and seconds > 0 and plan.seconds > 0:
-            self.realized.setdefault(len(plan.ks), Realized()).add(
-                tokens, seconds, plan.expected_tokens, plan.seconds)
 
     def draft_token_seconds(self, rows: int) -> float:
         """One draft forward of `rows` rows, as learned (0: no draft table)."""
