@@ -83,7 +83,8 @@ def start_orchestrator(stack: LocalStack, log) -> tuple[subprocess.Popen, str, i
 def test_a_second_orchestrator_speculates_while_the_services_remeasure(wide_pair, tmp_path):
     config = StackConfig(target_model=wide_pair[0], draft_model=wide_pair[1], tokenizer="none",
                          device="cpu", dtype="bfloat16", port=0, num_speculative_tokens=K,
-                         draft_confidence=0.0, async_drafting="off", pin=PIN, log_file=str(tmp_path / "stack.log"))
+                         draft_confidence=0.0, async_drafting="off", pin=PIN,
+                         log_file=str(tmp_path / "stack.log"))
     with LocalStack(config) as stack, open(tmp_path / "second.log", "w") as log:
         second, address, metrics = start_orchestrator(stack, log)
         try:
