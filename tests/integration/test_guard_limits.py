@@ -169,7 +169,9 @@ def test_issue_table_rows_get_clear_statuses_fast(stack, target_model):
         code, details, seconds = call(channel, method, message, stream=method == GENERATE)
         report.append(f"{what}: {code.name} in {seconds * 1e3:.0f} ms: {details[:90]}")
         assert (code, text in details) == (status, True), report[-1]
-        assert seconds < 1.0, report[-1]
+        # Refused at the door, not after a 10 s deadline; the bound is generous because
+        # handing 54 MB to a loaded loopback took 1.07 s in CI (RSS below is the real check).
+        assert seconds < 5.0, report[-1]
     scorer_rss_rows, orchestrator_rss_rows = (peak_rss_mb(stack, "scorer"),
                                               peak_rss_mb(stack, "orchestrator"))
     # A forward whose caller is gone is stopped, and the next call is not queued behind it.
@@ -212,6 +214,10 @@ def test_full_queue_answers_with_a_retry_hint_on_both_apis(stack, target_model):
     http = f"http://127.0.0.1:{stack.config.http_port}/v1"
     inside = lambda: (metric(stack, "orchestrator", "specdecode_running_sequences")  # noqa: E731
                       + metric(stack, "orchestrator", "specdecode_waiting_requests"))
+    deadline = time.monotonic() + 60  # an earlier test's stream may still be finishing
+    while inside() > 0:
+        assert time.monotonic() < deadline, f"{inside()} requests still inside after 60 s"
+        time.sleep(0.05)
     try:
         os.kill(scorer.pid, signal.SIGSTOP)
         try:
