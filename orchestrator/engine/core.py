@@ -228,6 +228,7 @@ class SpecDecodeEngine:
                                      stats.score_s, stats.total_s - stats.lookahead_wait_s,
                                      {role: s.busy_s for role, s in stats.services.items()
                                       if role != "proposer" or not ahead})
+            self.policy.observe_outcome(plan, stats.total_s)
         self.last_step = stats
         return outputs
 

@@ -38,7 +38,8 @@ from orchestrator.engine.policy_estimates import (DECAY, EXPLORE_AT_ONCE_GAIN, E
                                                   EXPLORE_REQUEST_CAP, EXPLORE_SHARE,
                                                   EXPLORE_UNCHECKED_SHARE, GLOBAL_DECAY,
                                                   IDLE_DECAY, Acceptance, Learned, Rate,
-                                                  PriorWeight, draft_seconds, expected_tokens,
+                                                  PriorWeight, Realized, draft_seconds,
+                                                  expected_tokens,
                                                   factor_of, length_pmf, point_pmf,
                                                   trusted_limits, verify_extra, verify_width)
 from specdecode.cost_model import ForwardCosts, verify_seconds
@@ -105,6 +106,8 @@ class SpeculationPolicy:
         self.catch_up_factor = Learned(1.0, cautious=True)  # ... a catch-up's extra width
         self.host = 1.0  # the scorer's scale the draft's factors assume
         self.checked = False  # a speculative step measured these tables
+        # (batch size, speculative) -> what that kind of step's predictions gave
+        self.realized: dict[tuple[int, bool], Realized] = {}
         self.unchecked_plain_s = 0.0  # plain time decoded on them since last checked
 
     def update_table(self, role: str, costs: ForwardCosts) -> None:
@@ -145,13 +148,15 @@ class SpeculationPolicy:
             return self._evaluate(ks, al, rs, conts, candidates)
         plain = evaluate([0] * len(caps))
         best_spec = self._search(trusted, alphas, rates, evaluate)
+        # A gain within what this batch size's predictions have been missing by is none.
+        bar = rate(plain) * GAIN_MARGIN / self._realized(len(candidates))
         best = plain
-        if best_spec is not None and rate(best_spec) > rate(plain) * GAIN_MARGIN:
+        if best_spec is not None and rate(best_spec) > bar:
             best = best_spec
         else:  # the evidence against speculating may be thin: what it could still gain
             hopeful = [a.alpha(prior, weight, OPTIMISM if a.positions else 0.0) for a in est]
             spec = self._search(trusted, hopeful, rates, lambda ks: evaluate(ks, hopeful))
-            if spec is not None and rate(spec) > rate(plain) * GAIN_MARGIN:
+            if spec is not None and rate(spec) > bar:
                 best = evaluate(spec.ks)  # priced at the posterior means
         # The most speculation could gain: fully accepted, every proposal found, at up to
         # the caps, its steady steps (the catch-up is a probe's price, not the gain's).
@@ -163,9 +168,11 @@ class SpeculationPolicy:
                         / rate(plain)
                         for K in range(1, max(full, default=0) + 1)), default=1.0)
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
+        unrealized = (not any(best.ks) and best_spec is not None
+                      and rate(best_spec) > rate(plain) * GAIN_MARGIN)
         chosen.speedup = rate(chosen) / rate(plain)
         chosen.best_speedup = rate(best_spec) / rate(plain) if best_spec else 1.0
-        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget)
+        chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget, unrealized)
         if any(chosen.ks) and not chosen.explore:  # others' acceptance is evidence
             for a, k, cap in zip(est, chosen.ks, hard):
                 if cap and not k:
@@ -194,10 +201,12 @@ class SpeculationPolicy:
         return best
 
     def _reasons(self, plan: Plan, caps: list[int], rates: list[float], sure: float,
-                 over_budget: bool) -> list[str]:
+                 over_budget: bool, unrealized: bool) -> list[str]:
         """Why each sequence got its k (REASONS)."""
         if not self.checked:  # the tables say no; an exploration is to check them
             plain_why = "no_budget" if over_budget else "exploration_pending"
+        elif unrealized:  # predicted to pay, by less than this batch size's steps missed by
+            plain_why = "unrealized"
         else:
             plain_why = "verify_too_dear" if sure <= GAIN_MARGIN else ""
         out = []
@@ -451,6 +460,32 @@ class SpeculationPolicy:
                                              catch_up))
         else:  # none, or too small to tell from the steady forwards' noise
             self.draft_factor.add(factor_of(measured, steady + catch_up))
+
+    def _realized(self, rows: int) -> float:
+        """How far speculative steps of `rows` rows fell short of their predictions beside
+        plain steps of as many rows (Realized: theirs over plain's predicted-over-measured
+        seconds), at most 1: a miss that both kinds share (a load on the whole host, which
+        two pinned hosts' plain steps read too) is no reason to stop speculating."""
+        spec, plain = self.realized.get((rows, True)), self.realized.get((rows, False))
+        if spec is None:
+            return 1.0
+        return min(spec.ratio() / (1.0 if plain is None else plain.ratio()), 1.0)
+
+    def observe_outcome(self, plan: Plan, seconds: float) -> None:
+        """A step's whole seconds beside the plan's prediction teach its kind's Realized at
+        that batch size (a speculative step only without a catch-up, whose prediction
+        spreads it over later steps). A plain step fades the speculative steps' record
+        (IDLE_DECAY: 14-60 plain steps on, it is below REALIZED_MIN and no longer corrects,
+        so that speculation is tried again); the plain steps' record stands until plain
+        steps renew it (faded, it would stop a speculation that misses as they do every
+        ~10 steps)."""
+        if not self.adaptive or seconds <= 0 or plan.seconds <= 0:
+            return
+        rows, speculative = len(plan.ks), any(plan.ks)
+        if not speculative and (spec := self.realized.get((rows, True))) is not None:
+            spec.fade(IDLE_DECAY)
+        if not plan.catch_up:
+            self.realized.setdefault((rows, speculative), Realized()).add(plan.seconds, seconds)
 
     def draft_token_seconds(self, rows: int) -> float:
         """One draft forward of `rows` rows, as learned (0: no draft table)."""

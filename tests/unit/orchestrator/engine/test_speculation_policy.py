@@ -198,6 +198,66 @@ def test_a_load_the_tables_missed_is_not_counted_twice():
     assert sum(1 for plan in plans[1:-1] if not plan.ks[0]) <= 1
 
 
+# The Qwen 1.5B target's and 0.5B draft's start-up tables at 1 and 4 rows, bf16, one shared
+# 2-core EPYC (bench/policy_bench.py trace --streams, 3bcea2f): 4 rows x 4 tokens cost 1.8
+# decodes.
+QWEN_SCORER_4 = ForwardCosts([1, 4], WIDTHS9, [
+    line([102.3, 103.4, 104.8, 105.8, 105.0, 107.7, 129.3, 137.7, 146.9]),
+    line([107.3, 146.4, 164.9, 194.5, 284.3, 309.9, 329.0, 371.0, 431.5])])
+QWEN_DRAFT_4 = ForwardCosts([1, 4], WIDTHS9 + [18, 36, 72], [
+    line([41.2, 45.0, 41.7, 40.5, 42.1, 43.5, 51.1, 52.4, 55.1, 104.7, 165.3, 292.6]),
+    line([41.2, 54.0, 59.4, 71.5, 102.8, 114.8, 125.1, 133.9, 157.6, 299.0, 552.3, 992.5])])
+
+
+def four_streams(slower: float, steps: int, plain_slower: float = 1.0
+                 ) -> tuple[SpeculationPolicy, list]:
+    """4 rows of code (5 of 6 proposals accepted) on the Qwen tables, each speculative step
+    taking `slower` x its predicted seconds (what the corrections leave: widths no step
+    measured, costs outside any table), each plain step `plain_slower` x: the plans."""
+    p = SpeculationPolicy(8, scorer_costs=QWEN_SCORER_4, draft_costs=QWEN_DRAFT_4,
+                          measure_overheads=False)
+    p.checked = True
+    for seq, n in itertools.product(range(4), range(6)):
+        p.observe(seq, 3, 3, 3 - n % 2)
+    plans = []
+    for _ in range(steps):
+        plan = p.plan([Candidate(seq, 8, remaining=200) for seq in range(4)])
+        for seq, k in enumerate(plan.ks):
+            p.observe(seq, k, k, k - k // 3)
+        p.observe_outcome(plan, plan.seconds * (slower if any(plan.ks) else plain_slower))
+        plans.append(plan)
+    return p, plans
+
+
+def test_a_batch_size_whose_steps_miss_their_predictions_decodes_plainly():
+    """Issue 36, 4 streams: the policy predicted 1.11x and the stack ran 0.88x its own k=0.
+    Here every speculative step at 4 rows takes 1.35x its predicted seconds (predicted
+    1.3x plain, realised ~0.97x): after REALIZED_MIN steps the batch decodes plainly
+    ("unrealized") while one row still speculates, and once the evidence faded below
+    REALIZED_MIN (7-14 plain steps) one speculative step tests it again: 10% of the steps
+    speculate. Steps that run as predicted change nothing."""
+    p, plans = four_streams(1.35, 80)
+    assert all(any(plan.ks) for plan in plans[:4]) and plans[0].speedup > 1.25
+    spec = [i for i, plan in enumerate(plans) if any(plan.ks)]
+    assert spec[:5] == [0, 1, 2, 3, spec[4]] and 7 <= spec[4] - 4 <= 14
+    assert plans[4].reasons == ["unrealized"] * 4 and len(spec) <= 0.15 * len(plans)
+    assert p.plan([Candidate(9, 8, remaining=200)]).ks[0] > 0  # one row: its own record
+    _, as_predicted = four_streams(1.0, 40)
+    assert all(any(plan.ks) for plan in as_predicted)
+
+
+def test_a_miss_plain_steps_share_is_no_reason_to_decode_plainly():
+    """Two hosts, lockstep: speculative steps ran 1.35x their predictions, and so did plain
+    steps (a miss of the whole host's). Realized corrected speculation only, and the
+    adaptive policy fell to 0.74-0.92x its best fixed k (5a9ae75, reverted). Now the few
+    plain steps that follow the first correction read the same miss, and speculation
+    resumes and stays: at most REALIZED_MIN + 1 plain steps in 80."""
+    _, plans = four_streams(1.35, 80, plain_slower=1.35)
+    plain = [i for i, plan in enumerate(plans) if not any(plan.ks)]
+    assert len(plain) <= 4, plain
+    assert plain == list(range(4, 4 + len(plain)))  # one run of them, after the first four
+
+
 def test_a_remeasured_table_replaces_the_policys():
     """The service re-measured its table while idle (specdecode.serving.recalibration): the next
     plan prices with it, and what was learned against the old table is forgotten."""
