@@ -475,8 +475,8 @@ class SpeculationPolicy:
         """A step's whole seconds beside the plan's prediction teach its kind's Realized at
         that batch size (a speculative step only without a catch-up, whose prediction
         spreads it over later steps). A plain step fades the speculative steps' record
-        (IDLE_DECAY: 14-60 plain steps on, it is below REALIZED_MIN and no longer corrects,
-        so that speculation is tried again); the plain steps' record stands until plain
+        (IDLE_DECAY: 7-60 plain steps on, by how much it holds, it is below REALIZED_MIN,
+        and speculation is tried again); the plain steps' record stands until plain
         steps renew it (faded, it would stop a speculation that misses as they do every
         ~10 steps)."""
         if not self.adaptive or seconds <= 0 or plan.seconds <= 0:
