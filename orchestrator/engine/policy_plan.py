@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 # them), fixed (--speculation fixed). k = 0: capped (a prompt step, a request's own 0, or
 # its last token), low_acceptance, no_match (an n-gram finding nothing), verify_too_dear
 # (even full acceptance would not pay), unrealized (predicted to pay, by less than this
-# batch size's speculative steps fell short of their predictions: Realized); on tables no
-# speculative step has checked yet, exploration_pending (one is to come) or no_budget (it
-# was due but would cost more than its budget).
+# batch size's speculative steps fell short of their predictions beside its plain steps'
+# shortfall: Realized); on tables no speculative step has checked yet, exploration_pending
+# (one is to come) or no_budget (it was due but would cost more than its budget).
 REASONS = ("speculate", "explore", "fixed", "capped", "low_acceptance", "no_match",
            "verify_too_dear", "unrealized", "no_budget", "exploration_pending")
 

@@ -47,7 +47,8 @@ CHOSEN_K = Histogram("specdecode_chosen_k", "Speculation length chosen per seque
                      "(0 = plain decoding); the adaptive policy picks it from acceptance and "
                      "measured costs. reason: why (speculate, explore, fixed for k > 0; capped, "
                      "low_acceptance, no_match, verify_too_dear, unrealized, no_budget, "
-                     "exploration_pending for k = 0).", ["reason"], buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
+                     "exploration_pending for k = 0).", ["reason"],
+                     buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16))
 PREDICTED_SPEEDUP = Histogram("specdecode_predicted_speedup", "Per step, the policy's predicted "
                               "tokens/s of the chosen k over plain decoding's (1: plain).",
                               buckets=(0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0))
