@@ -148,8 +148,9 @@ class SpeculationPolicy:
             return self._evaluate(ks, al, rs, conts, candidates)
         plain = evaluate([0] * len(caps))
         best_spec = self._search(trusted, alphas, rates, evaluate)
+        margin = rate(plain) * GAIN_MARGIN
         # A gain within what this batch size's predictions have been missing by is none.
-        bar = rate(plain) * GAIN_MARGIN / self._realized(len(candidates))
+        bar = margin / self._realized(len(candidates))
         best = plain
         if best_spec is not None and rate(best_spec) > bar:
             best = best_spec
@@ -168,8 +169,7 @@ class SpeculationPolicy:
                         / rate(plain)
                         for K in range(1, max(full, default=0) + 1)), default=1.0)
         chosen, over_budget = self._maybe_explore(best, best_spec, plain, est, candidates, sure)
-        unrealized = (not any(best.ks) and best_spec is not None
-                      and rate(best_spec) > rate(plain) * GAIN_MARGIN)
+        unrealized = not any(best.ks) and best_spec is not None and rate(best_spec) > margin
         chosen.speedup = rate(chosen) / rate(plain)
         chosen.best_speedup = rate(best_spec) / rate(plain) if best_spec else 1.0
         chosen.reasons = self._reasons(chosen, hard, rates, sure, over_budget, unrealized)

@@ -18,8 +18,8 @@ services' invariant numerics give the draft's rows the target's bits and a 5-tok
 costs about 1.3 decodes, so speculation pays about three times over on any host. (In
 float32 a 3-5 token verify on one pinned thread cost 3-4 decodes: fully accepted speculation
 gained 1.1-1.4x, and with two busy loops beside it the first exploration's predicted loss
-still outgrew its budget on 1 run in 4 once the load was counted once.) What is asserted is the policy's choice (it
-speculates through the request), not a speed."""
+still outgrew its budget on 1 run in 4 once the load was counted once.) What is asserted is
+the policy's choice (it speculates through the request), not a speed."""
 
 from __future__ import annotations
 
