@@ -20,6 +20,9 @@ def test_structured_bench_compares_speculation_and_the_defaults_with_k0_on_the_t
     for path in (2, "defaults", "defaults k=0"):  # float32: the same output on every path
         assert rows[path]["equal_tokens"] == rows[path]["reference_tokens"], path
     assert rows[0]["forced_share"] > 0 and rows[0]["us_per_mask"] > 0
+    for row in rows.values():  # decode alone: each request's prompt steps left out
+        assert 0 < row["settled_tokens_per_s"] and row["settled_speedup"] > 0
+    assert rows[0]["settled_speedup"] == 1.0
 
 
 def test_grammar_engines_bench_measures_the_chosen_engine(tmp_path):
