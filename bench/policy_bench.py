@@ -39,6 +39,7 @@ from proposer_svc.pruned_head import prune_lm_head  # noqa: E402
 from specdecode.api.client import SpecDecodeClient  # noqa: E402
 from specdecode.executor.calibration import calibrate  # noqa: E402
 from specdecode.executor.model_runner import ModelRunner, RunnerRow  # noqa: E402
+from specdecode.model_info import share_cores  # noqa: E402
 from specdecode.models.checkpoints import load_model  # noqa: E402
 from specdecode.sequence import SamplingParams  # noqa: E402
 from specdecode_stack.local import LocalStack  # noqa: E402
@@ -207,7 +208,7 @@ def trace(pair, dtype, classes, max_tokens, k_max, draft, two_hosts, streams, as
         policy, seen = traced_policy(p_info, s_info, k_max, ahead)
         engine = SpecDecodeEngine(proposer, scorer, num_speculative_tokens=k_max, policy=policy,
                                   max_model_len=min(p_info.max_model_len, s_info.max_model_len),
-                                  lookahead=ahead)
+                                  lookahead=ahead, share_cores=share_cores(p_info, s_info))
         try:
             steps = [s for batch in batches for s in trace_batch(engine, policy, seen, ahead, batch,
                                                                  max_tokens)]

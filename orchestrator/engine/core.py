@@ -113,10 +113,12 @@ class SpecDecodeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pacer = PrefillPacer()  # prompt tokens beside decoders (chunked prefill)
         self.grammars = grammars
-        self.warming = DraftWarming(lambda req: self.proposer.get_proposals(req), share_cores)
-        # One proposer call at a time: the step's, the overlap's and the lookahead's threads
-        # share it (an in-process proposer is not thread-safe; a service serialises anyway).
+        # One proposer call at a time: the step's, the warming's, the overlap's and the
+        # lookahead's threads share it (an in-process proposer is not thread-safe; a service
+        # serialises anyway).
         self._proposing = threading.Lock()
+        self.warming = DraftWarming(self._call_proposer, share_cores, lambda seq: (
+            self.policy.draft_model and self._cap(seq) > 0))
         self.ahead_pricing = lookahead
         self.lookahead = Lookahead(self._call_proposer) if lookahead is not None else None
         self.steps = 0  # steps run so far
@@ -379,8 +381,8 @@ class SpecDecodeEngine:
                 seq.drafted = chunk if i in warmed else seq.drafted
                 continue
             n = int(proposals.proposal_lens[i])
-            if (read or i in warmed) and (plan.ks[i] or not seq.decoding):
-                # it read the sequence and its first n-1 proposals (a prompt: the prompt)
+            if (read or i in warmed) and (plan.ks[i] or not seq.decoding or i in warmed):
+                # it read the sequence and its first n-1 proposals (warmed: the sequence)
                 seq.drafted = len(seq.token_ids) + min(len(tokens) - 1, max(n - 1, 0))
             self.policy.observe(seq.seq_id, plan.ks[i], n, len(tokens) - 1 if n else 0)
             constrained = seq.request.sampling_params.structured_output is not None

@@ -6,6 +6,7 @@ tokens with lookahead on and off."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import pytest
@@ -243,6 +244,40 @@ def test_on_two_hosts_the_draft_computes_the_prompt_beside_the_target(target_mod
         engine.step()
     for i, p in enumerate(PROMPTS):
         assert seqs[str(i)].output_token_ids == reference_greedy(target_model, p, 24), i
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_on_two_hosts_plain_steps_keep_the_draft_current(target_model, apart):
+    """Services on different hosts: a step that decodes plainly sends the decoding rows that
+    may speculate to the proposer beside the scoring call (as prompt rows: it computes their
+    KV state, proposes nothing), so when they speculate again the draft reads one token,
+    not every token of the plain steps. A request with k = 0 is not sent (it never
+    speculates). Sharing cores, nothing is sent and the draft falls behind. The policy
+    decodes plainly for the first 6 steps, then speculates; the output stays the target's."""
+    engine = build_inprocess_engine(target_model, near_copy(target_model, 0.05), "multi-query", 2)
+    engine.warming.share_cores = not apart
+    calls, propose = [], engine.proposer.get_proposals
+    engine.proposer.get_proposals = lambda req: (calls.append(req), propose(req))[1]
+    plan = engine.policy.plan
+    engine.policy.plan = lambda cands: (dataclasses.replace(plan(cands), ks=[0] * len(cands))
+                                        if engine.steps <= 6 else plan(cands))
+    engine.add_request(greedy_request("spec", PROMPTS[1], 24))
+    engine.add_request(greedy_request("plain", PROMPTS[3], 24, num_speculative_tokens=0))
+    seqs = dict(engine.running)
+    while engine.steps < 6:
+        engine.step()
+    behind = {name: len(s.token_ids) - s.drafted for name, s in seqs.items()}
+    assert behind["spec"] == (1 if apart else len(seqs["spec"].token_ids))
+    assert behind["plain"] == (len(seqs["plain"].token_ids) - len(PROMPTS[3]) if apart
+                               else len(seqs["plain"].token_ids))  # the prompt only
+    sent = [sg for req in calls for sg in req.seq_group_metadata_list]
+    assert all(sg.is_prompt for sg in sent) and len(calls) == (6 if apart else 0)
+    engine.step()  # speculates: the draft read the step's token and proposed
+    assert calls[-1].num_lookahead_slots == 2 and seqs["spec"].stats.draft_tokens > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs["spec"].output_token_ids == reference_greedy(target_model, PROMPTS[1], 24)
+    assert seqs["plain"].output_token_ids == reference_greedy(target_model, PROMPTS[3], 24)
 
 
 class ServiceClock:
