@@ -230,7 +230,11 @@ class Acceptance:
         The prior gives up one of its trials per position the sequence tested, down to
         PRIOR_WEIGHT: its own counts are decayed (about five steps' worth), and a prior of
         16 trials at the 0.9 that code prompts left outweighed a prose sequence's 0.4 for
-        good (48 tokens at k ~ 3.3, 0.89x plain decoding)."""
+        good (48 tokens at k ~ 3.3, 0.89x plain decoding). The later positions' prior is
+        the prior's, scaled by how this sequence's first positions compare with the
+        prior's: a sequence at k = 1 tests no later position, and the 0.95 of code requests
+        before it priced a prose one (first 0.45) at k = 3-4 on two hosts, where it
+        accepted 1-2 tokens a step (0.87x / 0.79x fixed k = 2 on prose / Q&A)."""
         prior = Rate.of(prior)
         weight = max(min(weight, PRIOR_WEIGHT), weight - self.positions)
         evidence = self.positions + weight + 1.0
@@ -241,7 +245,8 @@ class Acceptance:
             m = (accepted + weight * p) / (tried + weight)
             return min(m + optimism * math.sqrt(m * (1.0 - m) / evidence), 1.0)
         first = mean(self.first_accepted, self.first_tried, prior.first)
-        return Rate(first, max(mean(self.later_accepted, self.later_tried, prior.rest), first))
+        rest = prior.rest * first / prior.first if prior.first > 0.0 else prior.rest
+        return Rate(first, max(mean(self.later_accepted, self.later_tried, min(rest, 1.0)), first))
 
     def trusted_k(self) -> int:
         """The most it may speculate on its own evidence: TRUST_GROWTH times its (decayed)

@@ -441,8 +441,8 @@ def test_one_rejected_exploration_does_not_stop_a_sequence_like_the_others():
     position weighs against 16 trials of the prior (first-token posterior 0.90). With the
     fixed weight of 2 that posterior is 0.64 (with one α for every position it was 0.61,
     and the sequence decoded plainly: a 32-token copy request ended so before its next
-    exploration, 1.75 tok/s, k=0's 2.10); the later positions' estimate, which a rejected
-    first token says nothing of, stays the prior's either way."""
+    exploration, 1.75 tok/s, k=0's 2.10). The later positions, which it never tested,
+    follow its first: the prior's, scaled by its first over the prior's first."""
     def after_rejection(weight: float | None):
         scorer, draft = fp32_tables()
         p = SpeculationPolicy(8, scorer_costs=scorer, draft_costs=draft)
@@ -452,11 +452,15 @@ def test_one_rejected_exploration_does_not_stop_a_sequence_like_the_others():
             p.prior_weight.weight = lambda: weight
         p.observe(9, 7, 7, 0)
         plan = p.plan([Candidate(9, 8, behind=2, remaining=24)])
-        return plan.ks, p.seqs[9].alpha(p.all.alpha(0.5, 0.0), p.prior_weight.weight())
-    ks, alike = after_rejection(None)
+        return plan.ks, p.all.alpha(0.5, 0.0), p.seqs[9].alpha(p.all.alpha(0.5, 0.0),
+                                                               p.prior_weight.weight())
+    ks, prior, alike = after_rejection(None)
     assert ks[0] > 0 and alike.first == pytest.approx(0.90, abs=0.01)
-    _, thin = after_rejection(PRIOR_WEIGHT)
-    assert thin.first == pytest.approx(0.64, abs=0.01) and thin.rest == alike.rest
+    *_, thin = after_rejection(PRIOR_WEIGHT)
+    assert thin.first == pytest.approx(0.64, abs=0.01)
+    assert alike.rest == pytest.approx(prior.rest * alike.first / prior.first)
+    assert thin.rest == pytest.approx(prior.rest * thin.first / prior.first)
+    assert thin.rest < alike.rest
 
 
 # -- a proposal's first token apart from the rest ------------------------------------------
