@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -132,12 +133,24 @@ def run_once(model_dirs, scoring: str = "batch-expansion", traceparent: str | No
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(f"http://127.0.0.1:{stack.config.http_port}/v1/models/x")
             assert refused.value.code == 404
+            wait_http_counted(stack.metrics_ports.values())
         metrics = {role: scrape_metrics(port) for role, port in stack.metrics_ports.items()}
         names = {role: model_names(port) for role, port in stack.metrics_ports.items()}
     finally:
         codes = stack.stop()
         receiver.server.stop(None)
     return Run(result, spans_of(receiver), metrics, receiver.metrics, codes, names)
+
+
+def wait_http_counted(ports, timeout_s: float = 10.0) -> None:
+    """Until a /metrics endpoint counts an HTTP request: the middleware counts one after its
+    response's last message is sent, so a client can read the 404 first, and a scrape right
+    after it missed the sample with two busy loops beside the suite."""
+    deadline = time.monotonic() + timeout_s
+    while not any(key.startswith("specdecode_http_requests_total")
+                  for port in ports for key in scrape_metrics(port)):
+        assert time.monotonic() < deadline, "no HTTP request counted"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
