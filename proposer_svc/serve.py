@@ -6,6 +6,7 @@ import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
 from specdecode.executor.calibration import attach_live_costs
+from specdecode.executor.compile_mode import BackgroundCompile
 from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.serving.limits import ServiceLimits
 from specdecode.models.model_loading import ModelOptions
@@ -23,6 +24,7 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
                          draft_confidence: float = 0.0) -> None:
     servicer = ProposerServicer(limits)
     recalibrator: list[Recalibrator] = []
+    compiling: list[BackgroundCompile] = []
 
     def load():
         loaded = build_proposer(model, draft_vocab_size, draft_confidence)
@@ -31,6 +33,8 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
             attach_live_costs(loaded.runner, loaded.info.forward_cost)
             recalibrator.append(Recalibrator(loaded.runner, loaded.info.forward_cost,
                                              servicer.model))
+            if BackgroundCompile.needed(loaded.runner):
+                compiling.append(BackgroundCompile(loaded.runner))
         export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}
@@ -39,6 +43,8 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
         servicer.keep_leases()
         for r in recalibrator:
             r.start()
+        for c in compiling:
+            c.start()
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
                          servicer, load, after_serving=after_serving)

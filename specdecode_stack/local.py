@@ -94,6 +94,10 @@ class StackConfig:
     # Row-invariant numerics in both services (docs/design.md, Invariant numerics):
     # auto (on in bfloat16/float16) | on | off
     deterministic: str = "auto"
+    # Compiled forwards (specdecode.executor.compile_mode): auto (on an accelerator) | on |
+    # off, and where compiled graphs are kept across restarts (None: inductor's default)
+    compile_mode: str = "auto"
+    compile_cache: str | None = None
     # Draft the next proposal while this one is scored: auto (where it pays: never when
     # proposer and scorer share cores, as here unless pinned apart), on, off (lockstep).
     async_drafting: str = "auto"
@@ -185,7 +189,9 @@ class LocalStack:
         c = self.config
         model = c.target_model or "default"
         model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",
-                      c.deterministic, "--calibration-width", str(c.num_speculative_tokens + 1),
+                      c.deterministic, "--compile", c.compile_mode,
+                      *(["--compile-cache", c.compile_cache] if c.compile_cache else []),
+                      "--calibration-width", str(c.num_speculative_tokens + 1),
                       *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])]
         serving = on_serving or (lambda role: None)
         p_addr, s_addr = self.service_addresses["proposer"], self.service_addresses["scorer"]

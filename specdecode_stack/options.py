@@ -15,6 +15,7 @@ import click
 
 from orchestrator.config import ASYNC_DRAFTING, SPECULATION
 from scorer_svc.methods import SCORING_CHOICES
+from specdecode.executor.compile_mode import COMPILE_MODES
 from specdecode.executor.device import DEVICE_CHOICES, DTYPE_CHOICES
 from specdecode.serving.limits import MAX_K
 from specdecode.serving.tls import CLIENT_AUTH_CHOICES
@@ -137,6 +138,16 @@ DETERMINISTIC_HELP = ("on: row-invariant numerics, so that a sequence's logits d
 # Each in two groups: a server's (serve proposer|scorer, serve orchestrator) and the stack's.
 deterministic_option = opt("--deterministic", default=DEFAULTS.deterministic,
                            type=click.Choice(DETERMINISTIC_CHOICES), help=DETERMINISTIC_HELP)
+compile_option = opt(
+    "--compile", "compile_mode", default=DEFAULTS.compile_mode, type=click.Choice(COMPILE_MODES),
+    help="Compiled decode and verify forwards (torch.compile; CUDA graphs on CUDA): on; off "
+         "(eager); auto: on on an accelerator, off on CPU. On an accelerator they compile at "
+         "start-up; on CPU in the background while the service serves eagerly. Not with "
+         "--deterministic on (its own attention).")
+compile_cache_option = opt(
+    "--compile-cache", default=DEFAULTS.compile_cache,
+    help="Directory where compiled graphs are kept, so that a restart reloads them "
+         "(inductor's caches; default: $TORCHINDUCTOR_CACHE_DIR, else under /tmp).")
 async_drafting_option = opt("--async-drafting", default=DEFAULTS.async_drafting,
                             type=click.Choice(ASYNC_DRAFTING), help=ASYNC_DRAFTING_HELP)
 
@@ -153,10 +164,8 @@ model_options = option_group(
              "(default: 2GiB, or less when max-num-seqs x max-model-len needs less)."),
     opt("--max-num-seqs", default=256, type=click.IntRange(1),
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
-    opt("--enforce-eager/--compile", default=None,
-        help="Eager forwards, or decode and verify forwards compiled at start-up "
-             "(torch.compile; CUDA graphs on CUDA). Default: compiled on an accelerator, "
-             "eager on CPU."),
+    compile_option,
+    compile_cache_option,
     deterministic_option,
     opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
         type=click.IntRange(1),
@@ -356,6 +365,8 @@ stack_model_options = option_group(
     opt("--draft-confidence", default=DEFAULTS.draft_confidence, type=click.FloatRange(0, 1),
         help=DRAFT_CONFIDENCE_HELP),
     deterministic_option,
+    compile_option,
+    compile_cache_option,
 )
 
 stack_speculation_options = option_group(

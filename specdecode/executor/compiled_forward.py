@@ -8,7 +8,13 @@ graphs), on CPU inductor's C++ backend with frozen (prepacked) weights. A batch 
 every row feeds q new tokens, wants all q logits and owns its pool entry; a batch of B rows
 runs the graph of the smallest bucket >= B, the extra rows reading and writing one scratch
 block past the pool's managed blocks. The weights are those present at compile time (a
-swapped `lm_head` needs a new runner). `--enforce-eager` keeps the eager path.
+swapped `lm_head` needs a new runner). `--compile off` keeps the eager path.
+
+Graphs are compiled one at a time (`compile(graphs)`, in the service's background on CPU:
+specdecode/executor/compile_mode.py) and a forward takes one only once it is ready, so the
+rest of the runner serves eagerly meanwhile. Inductor keeps what it compiled on disk (its FX
+graph cache, keyed by the graph, the weights' shapes and dtypes, its options and torch's
+version: `--compile-cache`), so a restart reloads the graphs instead of compiling them.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ WINDOW_ROUND = 16  # padded attention's key window: the longest row rounded up t
 class CompileStats:
     """What compiling cost, for the logs and the service's metrics."""
 
-    seconds: float = 0.0  # start-up compilation of every bucket
-    graphs: int = 0  # (batch bucket, query length) pairs compiled at start-up
-    recompiles: int = 0  # graphs compiled after start-up (a guard failed: should stay 0)
+    seconds: float = 0.0  # compiling (or reloading) the graphs made ready so far
+    graphs: int = 0  # (batch bucket, query length) pairs ready to run
+    cache_hits: int = 0  # of them, reloaded from inductor's on-disk cache
+    recompiles: int = 0  # graphs compiled after being made ready (a guard failed: stays 0)
     runs: int = 0  # forwards that took a compiled graph
 
 
@@ -56,6 +63,10 @@ def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _cache_hits() -> int:
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+
+
 class CompiledForwards:
     def __init__(self, forward: LlamaLikeForward, kv: torch.Tensor, backend: StaticBackend,
                  scratch_block: int, block_size: int, device: torch.device,
@@ -66,6 +77,8 @@ class CompiledForwards:
         self.batch_buckets, self.query_lens = tuple(sorted(batch_buckets)), tuple(query_lens)
         self.pool_tokens = kv.shape[backend.token_dim]
         self.stats = CompileStats()
+        self.ready: set[tuple[int, int]] = set()  # (batch bucket, query length) compiled
+        self.compiling = False  # another graph compiles (in another thread): not a recompile
         limit = 4 * len(self.batch_buckets) * len(self.query_lens)  # several runners share it
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         self._compiled = torch.compile(self._static_forward, fullgraph=True, dynamic=False,
@@ -78,26 +91,53 @@ class CompiledForwards:
         rows = self.backend.prepare(rows, self.pool_tokens)
         return self.forward(input_ids, positions, None, kv, self.backend, rows)
 
+    def graphs(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, query length), decode at one row first."""
+        return [(B, q) for q in self.query_lens for B in self.batch_buckets]
+
     @torch.inference_mode()
-    def compile(self) -> None:
-        """Compile every (bucket, query length) on padding rows (the scratch block), in the
-        inference mode the runner's forwards run in (a guard of the graphs)."""
-        start, before = time.perf_counter(), _graphs_compiled()
-        for q in self.query_lens:
-            for B in self.batch_buckets:
-                begin = time.perf_counter()
-                self._call([], [], [], [], [], B, q)
-                log.info("compiled the forward of %d rows x %d queries in %.1f s", B, q,
-                         time.perf_counter() - begin)
-        self.stats.seconds = time.perf_counter() - start
-        self.stats.graphs = len(self.query_lens) * len(self.batch_buckets)
-        log.info("compiled forwards (%s, %s attention) for batch sizes %s x query lengths %s "
-                 "in %.1f s (%d graphs)", "reduce-overhead" if self.device.type == "cuda" else
-                 "inductor C++", self.backend.name, list(self.batch_buckets),
-                 list(self.query_lens), self.stats.seconds, _graphs_compiled() - before)
+    def compile(self, graphs: list[tuple[int, int]] | None = None) -> None:
+        """Compile `graphs` (default: all) on padding rows (the scratch block), in the
+        inference mode the runner's forwards run in (a guard of the graphs); each is ready
+        to run once compiled."""
+        self.compiling = True
+        try:
+            for B, q in self.graphs() if graphs is None else graphs:
+                self._compile_one(B, q)
+        finally:
+            self.compiling = False
+
+    def _compile_one(self, B: int, q: int) -> None:
+        begin, hits = time.perf_counter(), _cache_hits()
+        self._call([], [], [], [], [], B, q)
+        seconds, cached = time.perf_counter() - begin, _cache_hits() > hits
+        self.ready.add((B, q))
+        self.stats.seconds += seconds
+        self.stats.graphs, self.stats.cache_hits = len(self.ready), self.stats.cache_hits + cached
+        log.info("compiled forward of %d rows x %d queries ready in %.1f s (%s; %s, %s "
+                 "attention)", B, q, seconds, "reloaded from the compile cache" if cached
+                 else "compiled anew", "reduce-overhead" if self.device.type == "cuda"
+                 else "inductor C++", self.backend.name)
+
+    @torch.inference_mode()
+    def time_graph(self, B: int, q: int, repeats: int = 5) -> float:
+        """Seconds of the ready graph (B, q) on padding rows: the fastest of `repeats`."""
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._call([], [], [], [], [], B, q)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def drop(self) -> None:
+        """No graph is taken any more: the forwards run eagerly."""
+        self.ready.clear()
+        self.stats.graphs = 0
 
     def fits(self, B: int, q: int) -> bool:
-        return q in self.query_lens and B <= self.batch_buckets[-1]
+        """Whether a forward of B rows x q queries has a ready graph."""
+        bucket = next((b for b in self.batch_buckets if b >= B), None)
+        return (bucket, q) in self.ready
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
             kv_starts: list[int], kv_lens: list[int], q: int) -> torch.Tensor:
@@ -106,7 +146,7 @@ class CompiledForwards:
         bucket = next(b for b in self.batch_buckets if b >= B)
         before = _graphs_compiled()
         logits = self._call(input_ids, positions, slots, kv_starts, kv_lens, bucket, q)
-        if _graphs_compiled() > before:
+        if _graphs_compiled() > before and not self.compiling:
             self.stats.recompiles += _graphs_compiled() - before
             log.warning("compiled forward: recompiled for batch %d (bucket %d) x %d queries",
                         B, bucket, q)

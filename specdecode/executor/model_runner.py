@@ -132,11 +132,14 @@ class ModelRunner:
                  enforce_eager: bool | None = None, backend: AttentionBackend | None = None,
                  fast_path: bool = True, deterministic: bool = False,
                  static_attention: str | None = None,
-                 compile_batch_sizes: tuple[int, ...] | None = None):
+                 compile_batch_sizes: tuple[int, ...] | None = None, compile_now: bool = True):
         """enforce_eager: None = the device's default (compiled forwards on an accelerator,
-        eager on CPU: docs/benchmarks.md, *Compiled forwards*); static_attention: the
-        compiled forwards' backend (static_attention.STATIC_BACKENDS; None:
-        flex on CUDA, padded SDPA elsewhere: on CPU it measured faster than flex)."""
+        eager on CPU: docs/benchmarks.md, *Compiled forwards*); compile_now False: the
+        compiled forwards are built but compiled later (`compiled.compile`, from another
+        thread: specdecode.executor.compile_mode), the forwards eager until each graph is
+        ready; static_attention: the compiled forwards' backend
+        (static_attention.STATIC_BACKENDS; None: flex on CUDA, padded SDPA elsewhere: on CPU
+        it measured faster than flex)."""
         self.model = model
         self.device = device
         self.vocab_size: int = model.config.vocab_size
@@ -183,17 +186,17 @@ class ModelRunner:
         if why_eager is None:
             buckets = compile_batch_sizes or tuple(b for b in BATCH_BUCKETS if b <= max_num_seqs)
             self.compiled = self._compiled(kv, tokens // block, buckets, static_attention)
+            if compile_now:
+                self.compiled.compile()
         else:
             log.info("model runner: eager forwards (%s)", why_eager)
 
     def _compiled(self, kv: torch.Tensor, blocks: int, buckets: tuple[int, ...],
                   static_attention: str | None) -> CompiledForwards:
-        """The compiled forwards over `kv` (the pool and its scratch block), compiled now."""
+        """The compiled forwards over `kv` (the pool and its scratch block), none compiled."""
         name = static_attention or ("flex" if self.device.type == "cuda" else "sdpa-padded")
-        compiled = CompiledForwards(self.fast, kv, STATIC_BACKENDS[name](self.backend.token_dim),
-                                    blocks, self.backend.block_size, self.device, buckets)
-        compiled.compile()
-        return compiled
+        return CompiledForwards(self.fast, kv, STATIC_BACKENDS[name](self.backend.token_dim),
+                                blocks, self.backend.block_size, self.device, buckets)
 
     def _why_eager(self, enforce_eager: bool | None, device: torch.device) -> str | None:
         """Why the forwards stay eager, or None when they are compiled."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.executor.calibration import CALIBRATION_WIDTH
+from specdecode.executor.compile_mode import compile_plan
 from specdecode.cost_model import ForwardCosts
 from specdecode.executor.device import resolve_device, resolve_dtype
 from specdecode.grammar.compiler import GrammarCompiler
@@ -26,11 +27,12 @@ class ModelOptions:
     max_model_len: int | None = None
     kv_cache_memory: int | None = None  # bytes; None = the runner's default budget
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    enforce_eager: bool | None = None  # None: compiled on an accelerator, eager on CPU
+    compile: str = "auto"  # specdecode.executor.compile_mode: auto | on | off
     deterministic: bool = False  # row-invariant numerics (specdecode.executor.invariant_ops)
     # The widest forward (query tokens per row) the cost table times: the orchestrator's
     # max k + 1 (specdecode.cost_model).
     calibration_width: int = CALIBRATION_WIDTH
+    compile_cache: str | None = None  # inductor's cache directory (TORCHINDUCTOR_CACHE_DIR)
 
 
 def resolve_deterministic(mode: str, dtype: str) -> bool:
@@ -64,9 +66,10 @@ def load_runner(options: ModelOptions) -> tuple[ModelRunner, str]:
     device = resolve_device(options.device)
     model_dir = resolve_model_dir(options.model)
     model = load_model(model_dir, device, resolve_dtype(options.dtype))
+    plan = compile_plan(options.compile, device, options.compile_cache)
     runner = ModelRunner(model, device, options.max_model_len, options.kv_cache_memory,
-                         options.max_num_seqs, enforce_eager=options.enforce_eager,
-                         deterministic=options.deterministic)
+                         options.max_num_seqs, enforce_eager=plan.enforce_eager,
+                         deterministic=options.deterministic, compile_now=plan.compile_now)
     if has_tokenizer(model_dir):
         fingerprint = tokenizer_fingerprint(load_tokenizer(model_dir))
     else:

@@ -4,7 +4,7 @@
 When a call is cancelled (the client went away or its deadline passed, and grpc.aio
 cancels the handler), the forward pass running in the worker thread is stopped at its
 next module boundary: a process-wide forward pre-hook raises `ForwardStopped` in the thread
-whose call was cancelled. The lock is held until that thread has really returned, so a
+whose call was cancelled (a compiled forward is not stopped: it runs whole). The lock is held until that thread has really returned, so a
 second forward never runs beside a stopped one. The model runner writes its KV cache only
 after a forward completes, so a stopped forward leaves the cache as it was.
 
@@ -41,6 +41,11 @@ class ForwardStopped(Exception):
 
 
 def _stop_if_cancelled(module, args) -> None:
+    # A compiled forward (specdecode.executor.compiled_forward) runs whole: traced, this
+    # hook made its graph guard on the compiling thread's state, and a background-compiled
+    # graph was compiled again for the serving thread.
+    if torch.compiler.is_compiling():
+        return
     stop = getattr(_local, "stop", None)
     if stop is not None and stop.is_set():
         raise ForwardStopped("the call was cancelled")

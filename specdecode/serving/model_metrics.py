@@ -56,10 +56,17 @@ class RunnerCollector:
         compiled = self.runner.compiled
         if compiled is not None:
             families += [
-                (GaugeMetricFamily, "specdecode_model_compile_seconds", "Start-up compilation "
-                 "of the decode and verify forwards.", compiled.stats.seconds),
+                (GaugeMetricFamily, "specdecode_model_compile_seconds", "Compiling (or "
+                 "reloading from the compile cache) the decode and verify forwards ready so "
+                 "far.", compiled.stats.seconds),
+                (GaugeMetricFamily, "specdecode_model_compiled_graphs", "Compiled forward "
+                 "graphs (batch bucket x query length) ready; forwards of other shapes, and "
+                 "all of them while this is 0, run eagerly.", compiled.stats.graphs),
+                (CounterMetricFamily, "specdecode_model_compile_cache_hits", "Compiled graphs "
+                 "reloaded from the on-disk compile cache (--compile-cache) instead of "
+                 "compiled anew.", compiled.stats.cache_hits),
                 (CounterMetricFamily, "specdecode_model_recompiles", "Forward graphs compiled "
-                 "after start-up (a shape or guard the start-up did not cover).",
+                 "again after they were ready (a shape or guard compiling did not cover).",
                  compiled.stats.recompiles),
                 (CounterMetricFamily, "specdecode_model_compiled_forwards", "Forwards that ran "
                  "a compiled graph.", compiled.stats.runs),

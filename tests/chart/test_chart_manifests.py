@@ -28,9 +28,11 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
-    "proposer": {"--model", "--device", "--dtype", "--deterministic", "--host", "--port", "--metrics-port",
+    "proposer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache", "--host",
+                 "--port", "--metrics-port",
                  "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb", "--calibration-width"},
-    "scorer": {"--model", "--device", "--dtype", "--deterministic", "--scoring", "--host", "--port",
+    "scorer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache", "--scoring",
+               "--host", "--port",
                "--metrics-port", "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb",
                "--calibration-width"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
@@ -161,7 +163,7 @@ def test_chart_flags_exist_in_the_real_cli():
 def test_values_reach_the_flags(helm):
     docs = helm.render(sets=["speculation.numSpeculativeTokens=7", "grpc.maxMessageMb=128", "scorer.port=6000",
                              "proposer.model=/models/draft", "scorer.scoring=multi-query", "grpc.bindHost=::",
-                             "numerics.deterministic=false", "sequenceLeaseSeconds=45"])
+                             "numerics.deterministic=false", "sequenceLeaseSeconds=45", "numerics.compile=on"])
     assert args_map(server(docs, "orchestrator"))["--num-speculative-tokens"] == "7"
     assert args_map(server(docs, "proposer"))["--model"] == "/models/draft"
     assert args_map(server(docs, "orchestrator"))["--scorer"].endswith(":6000")
@@ -169,6 +171,10 @@ def test_values_reach_the_flags(helm):
     assert args_map(server(docs, "scorer"))["--deterministic"] == "off"
     assert args_map(server(docs, "proposer"))["--deterministic"] == "off"
     assert args_map(server(helm.render(), "scorer"))["--deterministic"] == "on"
+    for component in ("proposer", "scorer"):  # compiled graphs kept on the /cache emptyDir
+        assert args_map(server(docs, component))["--compile"] == "on"
+        assert args_map(server(helm.render(), component))["--compile"] == "auto"
+        assert args_map(server(docs, component))["--compile-cache"].startswith("/cache/")
     assert {args_map(server(docs, c))["--sequence-lease-seconds"] for c in ("proposer", "scorer")} == {"45"}
     for component in ("proposer", "scorer"):  # their cost tables time every verify width
         assert args_map(server(docs, component))["--calibration-width"] == "8"
