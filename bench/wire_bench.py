@@ -39,6 +39,7 @@ from specdecode.wire import codec  # noqa: E402
 from specdecode.api.client import SpecDecodeClient  # noqa: E402
 from specdecode.interfaces import SpeculativeProposals  # noqa: E402
 from specdecode.models.checkpoints import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
+from specdecode.models.model_loading import resolve_deterministic  # noqa: E402
 from specdecode.sequence import (ExecuteModelRequest, SamplingParams, SequenceData,  # noqa: E402
                                  SequenceGroupMetadata)
 from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model  # noqa: E402
@@ -127,9 +128,11 @@ def run_stack(stack: LocalStack, prompts, max_tokens: int, skip_tokens: int = 0,
         resends=d["resends"], fallback_steps=d["fallback_steps"])}
 
 
-def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int, device: str) -> dict:
+def run_inprocess(target, draft, scoring: str, prompts, max_tokens: int, device: str,
+                  k: int = 4, deterministic: bool = False) -> dict:
     """The same as run_stack's, in-process: proposing and scoring are its busy time."""
-    eng = build_inprocess_engine(target, draft, scoring, 4, torch.device(device))
+    eng = build_inprocess_engine(target, draft, scoring, k, torch.device(device),
+                                 deterministic=deterministic)
     runners = {"proposer": eng.proposer.worker.runner, "scorer": eng.scorer.worker.runner}
     before = {role: r.stats.forward_seconds for role, r in runners.items()}
     r = run_engine(eng, prompts, max_tokens, torch.device(device))
@@ -262,14 +265,17 @@ def hop_rows(pair: str, batch: int, runs: dict[str, list]) -> list[dict]:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--max-tokens", default=32, show_default=True)
 @click.option("--batch", default=1, show_default=True, help="Concurrent streams (B).")
+@click.option("--k", default=4, show_default=True,
+              help="Fixed k of both (0: plain decoding, where the orchestrator and the scorer's "
+                   "service are all the stack adds).")
 @click.option("--modes", default=",".join(MODES), show_default=True,
               help="Stack settings compared with the in-process engine: before (deltas off, "
                    "sleeping OpenMP threads: the stack before issue 12), deltas (deltas on, "
                    "sleeping threads), defaults.")
 @click.option("--out", default=str(RESULTS / "wire_hop.json"), show_default=True)
-def hop(pair, device, repeats, max_tokens, batch, modes, out) -> None:
-    """The gRPC stack against the in-process engine (draft-model speculation, k=4, fixed), in
-    alternation, for each stack setting in --modes, all the modes' stacks up at once: the
+def hop(pair, device, repeats, max_tokens, batch, k, modes, out) -> None:
+    """The gRPC stack against the in-process engine (draft-model speculation at a fixed --k,
+    the numerics the services choose for the dtype: --deterministic auto), in alternation, for each stack setting in --modes, all the modes' stacks up at once: the
     median of the rounds' ratios and their range, and where a step's time went (forward
     passes, the services' other busy time, the hop to each service, the orchestrator's part)
     from the stack's own per-step metrics (hop: the wait for a service beyond its own busy
@@ -282,18 +288,20 @@ def hop(pair, device, repeats, max_tokens, batch, modes, out) -> None:
         prompts = [prompts[i % len(prompts)] for i in range(batch)]
         target, draft = (load_model(d, torch.device(device), getattr(torch, dtype))
                          for d in (target_dir, draft_dir))
-        inprocess = lambda n: run_inprocess(target, draft, scoring, prompts, n, device)  # noqa: E731
+        deterministic = resolve_deterministic("auto", dtype)
+        inprocess = lambda n: run_inprocess(target, draft, scoring, prompts, n, device, k,  # noqa: E731
+                                            deterministic)
         with contextlib.ExitStack() as stacks:
             up = {mode: stacks.enter_context(LocalStack(StackConfig(
                 target_model=target_dir, draft_model=draft_dir, device=device, dtype=dtype,
                 tokenizer="none" if pair in RANDOM_PAIRS else None, scoring=scoring,
-                num_speculative_tokens=4, port=0, speculation="fixed", extra_env=MODES[mode][1])))
+                num_speculative_tokens=k, port=0, speculation="fixed", extra_env=MODES[mode][1])))
                 for mode in modes.split(",")}
             inprocess(4)  # warm-up: first forwards are slow
             for stack in up.values():
                 run_stack(stack, prompts, 4)
             rows = hop_rows(pair, batch, rounds(up, inprocess, prompts, max_tokens, repeats))
-    show(f"B={batch}, {pair}, k=4: the stack (--modes: {'; '.join(f'{k}: {v[0]}' for k, v in MODES.items())}) "
+    show(f"B={batch}, {pair}, k={k}: the stack (--modes: {'; '.join(f'{k}: {v[0]}' for k, v in MODES.items())}) "
          "against the in-process engine beside it, in alternation; busy: the share of the wall "
          "time the proposer / scorer worked (in-process: proposing / scoring); then ms per step "
          "by part (medians over the rounds; hop: the wait for a service beyond its busy time)",
