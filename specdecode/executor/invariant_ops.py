@@ -13,18 +13,12 @@ measured, not assumed: `equal_tiles` keeps each of `SMALL_TILES` whose rows come
 bit as in ROW_TILE-row blocks, per weight shape, dtype, kernel and thread count (on an
 AVX512-BF16 CPU every size from 2 to 16 in bf16 does on a weight packed once; one row, a
 matrix-vector kernel, does not). A decode then multiplies 4 rows, not 16, and a verify of
-k + 1 rows k + 1. A forward of more rows (a prompt, a batch's verify) is cut into wider
-blocks (`WIDE_TILES`: multiples of ROW_TILE up to MAX_TILE rows), each size allowed once it
-gave ROW_TILE's bits on that weight (checked when a forward first needs it: on the EPYC every
-size to 512 does, and a 512-token prompt's matmuls cost 0.62x what 16-row blocks cost);
-where none is allowed, blocks of ROW_TILE rows read the weights once each.
-
-On a CPU with bf16 (or fp16) units, `RowTiledLinear` also packs its weight once into
-oneDNN's blocked layout (one layout serves every block size): the kernel and the result are
-those of F.linear on the same rows (measured bit for bit), without the copy of the weight
-into that layout which F.linear makes on every call. Everything here is plain tensor code
-over fixed shapes, so a compiled path can trace it (PyTorch's own CPU compiler packs linears
-the same way).
+k + 1 rows k + 1. A forward of at least WIDE_MIN rows (a prompt) is cut into chunks of at
+most MAX_TILE rows, each multiplied as one block of the smallest of `WIDE_TILES` that holds it,
+once that size gave ROW_TILE's bits on that weight (checked when a forward first needs it: on
+the EPYC every size to 512 does); a chunk below WIDE_MIN, or a size not allowed, goes in
+ROW_TILE blocks as before. Below WIDE_MIN rows (a batch's verify) a wide block measured no
+cheaper than 16-row blocks, and for the draft's shapes dearer.
 """
 
 from __future__ import annotations
@@ -44,11 +38,14 @@ ROW_TILE = 16
 # for 1 row, 1.10 for 2, 0.97-1.00 for 4-6, 1.16 for 8, 1.67 for 16; docs/benchmarks.md):
 # a forward of M rows uses a block of max(M, 4) rows.
 SMALL_TILES = tuple(range(4, ROW_TILE))
-# Wider blocks for forwards of more than ROW_TILE rows, each allowed where it gives ROW_TILE's
-# bits (`wide_tile_allowed`): Qwen 1.5B's gate_proj over 512 rows, bf16, 2 threads, EPYC:
-# 53 ms in 16-row blocks, 39 in 64-row, 36 in 128-row, 33 in one 512-row block.
+# Wide blocks for forwards of many rows, each allowed where it gives ROW_TILE's bits
+# (`wide_tile_allowed`). EPYC, bf16, 2 threads, one block against 16-row blocks: Qwen 1.5B's
+# gate_proj over 512 rows 33 against 53 ms, over 70 rows 5.6 against 6.0; but over 20-36 rows
+# a wide block cost up to 1.4x more (the 0.5B draft's down_proj: 0.67 against 0.46 ms at 20),
+# so only forwards of WIDE_MIN rows or more take them.
 MAX_TILE = 512
-WIDE_TILES = tuple(range(2 * ROW_TILE, MAX_TILE + 1, ROW_TILE))
+WIDE_MIN = 128
+WIDE_TILES = tuple(range(WIDE_MIN, MAX_TILE + 1, ROW_TILE))
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]  # [tile, K] -> [tile, N]
 
@@ -122,12 +119,10 @@ def wide_tile_allowed(matmul: Matmul, weight: torch.Tensor, kernel: str, wide: i
     return _WIDE[key]
 
 
-def wide_tiles_for(M: int) -> list[int]:
-    """The wide blocks a forward of M > ROW_TILE rows would use, were all allowed: MAX_TILE
-    for each full block of it, and the smallest wide tile holding the rest beyond ROW_TILE."""
-    rest = M % MAX_TILE
-    return ([MAX_TILE] if M >= MAX_TILE else []) + (
-        [next(t for t in WIDE_TILES if t >= rest)] if rest > ROW_TILE else [])
+def wide_tile_for(rows: int) -> int | None:
+    """The wide block a chunk of `rows` rows (at most MAX_TILE) would take: the smallest of
+    WIDE_TILES holding it, None below WIDE_MIN."""
+    return next((t for t in WIDE_TILES if t >= rows), None) if rows >= WIDE_MIN else None
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -170,11 +165,19 @@ class RowTiledLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul, tiles = self._prepare()
-        M = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if M > self.tile and self.candidates:  # wider blocks, where they give the tile's bits
-            tiles += tuple(t for t in wide_tiles_for(M) if wide_tile_allowed(
-                matmul, self.weight, self._plan[3], t, self.tile))
-        return tiled_linear(x, self.weight, self.bias, tiles, matmul)
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        if rows.shape[0] < WIDE_MIN or not self.candidates:
+            return tiled_linear(x, self.weight, self.bias, tiles, matmul)
+        out = torch.cat([self._chunk(rows[i:i + MAX_TILE], matmul, tiles)
+                         for i in range(0, rows.shape[0], MAX_TILE)])  # [M, N]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _chunk(self, rows: torch.Tensor, matmul: Matmul, tiles: tuple[int, ...]) -> torch.Tensor:
+        """rows [<= MAX_TILE, K] -> [.., N]: one wide block where allowed, else `tiles`."""
+        wide = wide_tile_for(rows.shape[0])
+        if wide and wide_tile_allowed(matmul, self.weight, self._plan[3], wide, self.tile):
+            tiles = (wide,)
+        return tiled_linear(rows, self.weight, self.bias, tiles, matmul)
 
 
 def make_row_invariant(module: nn.Module) -> int:

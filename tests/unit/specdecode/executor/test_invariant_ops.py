@@ -12,10 +12,10 @@ from torch import nn
 from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
 from specdecode.executor import invariant_ops
 from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend
-from specdecode.executor.invariant_ops import (MAX_TILE, ROW_TILE, SMALL_TILES, RowTiledLinear,
+from specdecode.executor.invariant_ops import (MAX_TILE, ROW_TILE, WIDE_MIN, SMALL_TILES, RowTiledLinear,
                                                block_sizes, equal_tiles, is_row_invariant,
                                                make_row_invariant, tiled_linear,
-                                               wide_tile_allowed, wide_tiles_for)
+                                               wide_tile_allowed, wide_tile_for)
 from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
@@ -90,13 +90,10 @@ def test_a_block_size_whose_bits_differ_is_not_allowed():
     assert equal_tiles(rowwise, weight, "test-rowwise") == (*SMALL_TILES, ROW_TILE)
 
 
-def test_rows_past_a_tile_go_to_the_widest_block_then_the_smallest_wide_one_holding_the_rest():
-    assert wide_tiles_for(17) == [2 * ROW_TILE] and wide_tiles_for(70) == [80]
-    assert wide_tiles_for(MAX_TILE) == [MAX_TILE] and wide_tiles_for(MAX_TILE + 8) == [MAX_TILE]
-    assert wide_tiles_for(2 * MAX_TILE + 70) == [MAX_TILE, 80]
-    tiles = (*SMALL_TILES, ROW_TILE, MAX_TILE, 80)
-    assert block_sizes(2 * MAX_TILE + 70, tiles) == [MAX_TILE, MAX_TILE, 80]
-    assert block_sizes(MAX_TILE + 8, tiles) == [MAX_TILE, 8]
+def test_a_chunk_of_many_rows_takes_the_smallest_wide_block_holding_it():
+    assert wide_tile_for(WIDE_MIN - 1) is None and wide_tile_for(ROW_TILE + 1) is None
+    assert wide_tile_for(WIDE_MIN) == WIDE_MIN and wide_tile_for(WIDE_MIN + 1) == WIDE_MIN + 16
+    assert wide_tile_for(300) == 304 and wide_tile_for(MAX_TILE) == MAX_TILE
 
 
 def test_a_wide_block_whose_bits_differ_is_not_allowed():
@@ -112,30 +109,38 @@ def test_a_wide_block_whose_bits_differ_is_not_allowed():
     assert not wide_tile_allowed(matmul, weight, "test-wide", 64)
 
 
-@pytest.mark.parametrize("M", [70, MAX_TILE + 40])
-def test_a_prompt_of_many_rows_takes_wide_blocks_where_allowed_and_keeps_each_row_s_bits(M):
-    """A bf16 prompt's rows (Qwen 1.5B's MLP width) come out as each row alone, in the
-    widest blocks the kernel allows (on the EPYC: one block for 70 rows)."""
-    torch.manual_seed(0)
-    layer = nn.Linear(1536, 1024, dtype=torch.bfloat16)
-    make_row_invariant(layer)
-    seen = []
+def spy_on_blocks(layer: RowTiledLinear, seen: list[int]) -> None:
+    """From now on each block `layer` multiplies appends its row count to `seen`."""
     real = layer._prepare
 
     def spy():
         matmul, tiles = real()
         return (lambda block: seen.append(block.shape[0]) or matmul(block)), tiles
+    layer._prepare = spy
+
+
+@pytest.mark.parametrize("M", [300, MAX_TILE + 40, MAX_TILE + WIDE_MIN + 1])
+def test_a_prompt_of_many_rows_takes_wide_blocks_where_allowed_and_keeps_each_row_s_bits(M):
+    """A bf16 prompt's rows (Qwen 1.5B's MLP width) come out as each row alone: chunks of up
+    to MAX_TILE rows, each one wide block where its size is allowed (on the EPYC all are), a
+    chunk below WIDE_MIN in ROW_TILE blocks."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1536, 1024, dtype=torch.bfloat16)
+    make_row_invariant(layer)
+    seen, real = [], layer._prepare
     x = torch.randn(M, 1536, dtype=torch.bfloat16)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(0, M, 9)])
-        wide = [t for t in wide_tiles_for(M)
-                if wide_tile_allowed(real()[0], layer.weight, layer._plan[3], t)]
-        layer._prepare = spy
+        matmul, tiles = real()
+        want = []
+        for n in (min(MAX_TILE, M - i) for i in range(0, M, MAX_TILE)):
+            wide = wide_tile_for(n)
+            allowed = wide and wide_tile_allowed(matmul, layer.weight, layer._plan[3], wide)
+            want += [wide] if allowed else block_sizes(n, tiles)
+        spy_on_blocks(layer, seen)
         out = layer(x)
     assert torch.equal(out[::9], alone)
-    allowed = (*real()[1], *wide)
-    assert seen == block_sizes(M, allowed)
-    assert (max(seen) > ROW_TILE) == bool(wide)
+    assert seen == want
 
 
 def test_a_layer_with_a_bias_has_its_blocks_checked_apart_from_one_without():
@@ -153,23 +158,17 @@ def test_a_layer_with_a_bias_has_its_blocks_checked_apart_from_one_without():
 def test_a_decode_multiplies_the_smallest_allowed_block_and_a_pinned_layer_its_tile():
     layer = nn.Linear(64, 32)
     make_row_invariant(layer)
-    seen = []
-    real = layer._prepare
-
-    def spy():
-        matmul, tiles = real()
-        return (lambda block: seen.append(block.shape[0]) or matmul(block)), tiles
-    layer._prepare = spy
+    seen, real = [], layer._prepare
+    spy_on_blocks(layer, seen)
     with torch.inference_mode():
-        matmul, tiles = real()
-        wide = wide_tile_allowed(matmul, layer.weight, layer._plan[3], 2 * ROW_TILE)
+        tiles = real()[1]
         layer(torch.randn(1, 64))
-        layer(torch.randn(21, 64))  # one 32-row block where allowed, else 16 + 5
+        layer(torch.randn(21, 64))  # 16 + 5: a verify's rows take no wide block
         layer.candidates = ()
         layer(torch.randn(1, 64))
-        layer(torch.randn(21, 64))  # pinned: 16 + 16
-    middle = [2 * ROW_TILE] if wide else [ROW_TILE, min(t for t in tiles if t >= 5)]
-    assert seen == [min(tiles), *middle, ROW_TILE, ROW_TILE, ROW_TILE]
+        layer(torch.randn(WIDE_MIN, 64))  # pinned: 16-row blocks, never a wide one
+    assert seen == [min(tiles), ROW_TILE, min(t for t in tiles if t >= 5), ROW_TILE,
+                    *[ROW_TILE] * (WIDE_MIN // ROW_TILE)]
 
 
 def test_tiled_linear_keeps_leading_dimensions_and_empty_inputs():
