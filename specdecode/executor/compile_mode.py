@@ -62,8 +62,6 @@ class BackgroundCompile:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.thread = threading.Thread(target=self.run, name="background-compile", daemon=True)
-        self.failed = False
-        self.done = threading.Event()
 
     @staticmethod
     def needed(runner: ModelRunner) -> bool:
@@ -81,11 +79,8 @@ class BackgroundCompile:
         except Exception:  # a failed compilation leaves the service serving eagerly
             log.exception("compiling the forwards failed: they stay eager")
             compiled.drop()
-            self.failed = True
         else:
             log.info("compiled forwards ready: %d graphs in %.1f s (%d reloaded from the "
                      "compile cache %s)", compiled.stats.graphs, compiled.stats.seconds,
                      compiled.stats.cache_hits, os.environ.get("TORCHINDUCTOR_CACHE_DIR",
                                                                "(inductor's default)"))
-        finally:
-            self.done.set()

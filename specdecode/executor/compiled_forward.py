@@ -119,16 +119,6 @@ class CompiledForwards:
                  else "compiled anew", "reduce-overhead" if self.device.type == "cuda"
                  else "inductor C++", self.backend.name)
 
-    @torch.inference_mode()
-    def time_graph(self, B: int, q: int, repeats: int = 5) -> float:
-        """Seconds of the ready graph (B, q) on padding rows: the fastest of `repeats`."""
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self._call([], [], [], [], [], B, q)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     def drop(self) -> None:
         """No graph is taken any more: the forwards run eagerly."""
         self.ready.clear()

@@ -19,6 +19,13 @@ once that size gave ROW_TILE's bits on that weight (checked when a forward first
 the EPYC every size to 512 does); a chunk below WIDE_MIN, or a size not allowed, goes in
 ROW_TILE blocks as before. Below WIDE_MIN rows (a batch's verify) a wide block measured no
 cheaper than 16-row blocks, and for the draft's shapes dearer.
+
+On a CPU with bf16 (or fp16) units, `RowTiledLinear` also packs its weight once into
+oneDNN's blocked layout (one layout serves every block size): the kernel and the result are
+those of F.linear on the same rows (measured bit for bit), without the copy of the weight
+into that layout which F.linear makes on every call. Everything here is plain tensor code
+over fixed shapes, so a compiled path can trace it (PyTorch's own CPU compiler packs linears
+the same way).
 """
 
 from __future__ import annotations
