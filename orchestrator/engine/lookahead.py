@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ready:
-    """A sequence's next proposal, drafted ahead from its real prefix."""
+    """A sequence's next proposal, drafted ahead from its real prefix of `length` tokens."""
 
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V] the draft's distributions, or None
+    length: int  # the prefix it continues: for the step right after its own only
 
 
 @dataclass
@@ -95,17 +96,21 @@ class Lookahead:
 
     # -- a step's proposals ----------------------------------------------------------------
 
-    def take(self, seq_id: int, k: int) -> Ready | None:
-        """The sequence's proposal drafted ahead, at most k tokens (None: none is ready; one
-        that k leaves unused is dropped)."""
+    def take(self, seq_id: int, k: int, length: int) -> Ready | None:
+        """The proposal drafted ahead for the sequence, now `length` tokens long, at most k
+        tokens (None: none is ready; one that k leaves unused is dropped, and so is one
+        drafted from a shorter prefix: a plain step ran between, which never takes it)."""
         ready = self._ready.pop(seq_id, None)
         if ready is None:
+            return None
+        if ready.length != length:
+            self.stats.wasted += len(ready.tokens)
             return None
         self.stats.wasted += max(len(ready.tokens) - k, 0)
         if k == 0 or not ready.tokens:
             return None
         probs = None if ready.probs is None else ready.probs[:k]
-        return Ready(ready.tokens[:k], probs)
+        return Ready(ready.tokens[:k], probs, length)
 
     def proposals(self, req: ExecuteModelRequest,
                   propose: Callable[[ExecuteModelRequest], SpeculativeProposals]
@@ -117,7 +122,8 @@ class Lookahead:
         ready = {}
         for i, sg in enumerate(groups):
             k = K if sg.num_speculative_tokens is None else min(sg.num_speculative_tokens, K)
-            if not sg.is_prompt and (r := self.take(sg.seq_id, k)) is not None:
+            length = sg.data.get_len()
+            if not sg.is_prompt and (r := self.take(sg.seq_id, k, length)) is not None:
                 ready[i] = r
         if not ready:
             return propose(req)
@@ -216,7 +222,8 @@ class Lookahead:
                 self.stats.wasted += len(tokens)
                 continue
             self.stats.hits += 1
-            self._ready[seq.seq_id] = Ready(tokens[1:], None if probs is None else probs[1:])
+            self._ready[seq.seq_id] = Ready(tokens[1:], None if probs is None else probs[1:],
+                                            len(seq.token_ids))
             # The draft read the chain up to its last token: it holds the new prefix.
             seq.drafted = max(seq.drafted, len(seq.token_ids))
 

@@ -83,10 +83,29 @@ def test_a_chain_is_kept_only_where_the_real_prefix_is_its_own(emitted, ready):
     assert guess.num_lookahead_slots == 1 and guess.draft_ahead
     assert rest.seq_group_metadata_list[0].data.output_token_ids == [12, 13, 14]
     assert rest.seq_group_metadata_list[0].num_speculative_tokens == 2
-    got = ahead.take(1, 2)
+    got = ahead.take(1, 2, len(seq.token_ids))
     assert (got and got.tokens) == ready
     stats = ahead.take_stats()
     assert (stats.hits, stats.misses, stats.drafted) == ((1, 0, 3) if ready else (0, 1, 3))
+
+
+def test_a_proposal_drafted_ahead_is_dropped_after_a_plain_step():
+    """A hit's proposal is for the step right after it. The policy may decode that step
+    plainly (it then takes no proposal); the sequence is a token longer at the next
+    speculative step, where the kept proposal would follow a stale prefix and be rejected
+    (a draft identical to its target accepted 18 of 20 beside two busy loops)."""
+    chain = list(range(10, 30))
+    proposer = ChainProposer(chain)
+    ahead = Lookahead(proposer)
+    seq, sg = sequence(1, chain[:2])
+    ahead.launch([(seq, sg, [12, 13], 2)])
+    seq.output_token_ids += [12, 13, 14]  # a hit: 15 16 are ready for 5 tokens
+    ahead.settle()
+    seq.output_token_ids += [15]  # a plain step
+    _, later = sequence(1, seq.token_ids)
+    proposals = ahead.proposals(ExecuteModelRequest([later], num_lookahead_slots=2), proposer)
+    assert proposals.proposal_token_ids.tolist() == [[16, 17]] and proposals.ahead == 0
+    assert ahead.take_stats().wasted == 2
 
 
 def test_a_miss_everywhere_cancels_the_call_and_a_release_waits_for_it():
