@@ -5,13 +5,10 @@ from __future__ import annotations
 import logging
 
 from proposer_svc.servicer import ProposerServicer, build_proposer
-from specdecode.executor.calibration import attach_live_costs
-from specdecode.executor.compile_mode import BackgroundCompile
 from specdecode.grammar.metrics import export_grammar_metrics
 from specdecode.serving.limits import ServiceLimits
 from specdecode.models.model_loading import ModelOptions
-from specdecode.serving.model_metrics import export_runner_metrics
-from specdecode.serving.recalibration import Recalibrator
+from specdecode.serving.runner_upkeep import RunnerUpkeep
 from specdecode.serving.server import ServerOptions, serve_deferred
 from specdecode.v1 import proposer_service_pb2, proposer_service_pb2_grpc
 
@@ -23,28 +20,19 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
                          limits: ServiceLimits = ServiceLimits(),
                          draft_confidence: float = 0.0) -> None:
     servicer = ProposerServicer(limits)
-    recalibrator: list[Recalibrator] = []
-    compiling: list[BackgroundCompile] = []
+    upkeep = RunnerUpkeep(servicer.model)
 
     def load():
         loaded = build_proposer(model, draft_vocab_size, draft_confidence)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
-            export_runner_metrics(loaded.runner, "proposer")
-            attach_live_costs(loaded.runner, loaded.info.forward_cost)
-            recalibrator.append(Recalibrator(loaded.runner, loaded.info.forward_cost,
-                                             servicer.model))
-            if BackgroundCompile.needed(loaded.runner):
-                compiling.append(BackgroundCompile(loaded.runner))
+            upkeep.attach(loaded.runner, loaded.info.forward_cost, "proposer")
         export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}
 
     def after_serving(_) -> None:
         servicer.keep_leases()
-        for r in recalibrator:
-            r.start()
-        for c in compiling:
-            c.start()
+        upkeep.start()
     await serve_deferred(options, proposer_service_pb2,
                          proposer_service_pb2_grpc.add_ProposerServiceServicer_to_server,
                          servicer, load, after_serving=after_serving)
