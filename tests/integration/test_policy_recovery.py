@@ -32,7 +32,7 @@ import grpc
 import pytest
 
 from orchestrator.cluster.cost_refresh import REFRESH_S
-from orchestrator.cluster.remote import RemoteScorer
+from orchestrator.cluster.remote import RemoteProposer, RemoteScorer
 from orchestrator.engine.speculation_policy import REASONS
 from specdecode.api.client import SpecDecodeClient
 from specdecode_stack.local import LocalStack, StackConfig, wait_process_serving
@@ -69,13 +69,21 @@ def chosen_k(port: int) -> tuple[Counter, Counter]:
     return ks, why
 
 def decode_steps(stack: LocalStack) -> tuple[Counter, Counter]:
-    """Run the prompts one after the other: the chosen k of their decode steps (the prompt
-    steps, k = 0 by construction, left out), and the reasons of all their steps."""
+    """Run the prompts one after the other, twice: the chosen k of the second pass's decode
+    steps (the prompt steps, k = 0 by construction, left out), and the reasons of all its
+    steps. The first pass settles the policy: beside other work a stack's first speculative
+    steps run slower than its later ones (two busy loops beside this pair at fixed k = 4:
+    10.3, 16.0, 14.5 tok/s over three passes; plain decoding 8.0, 9.0), and the policy
+    rightly decodes plainly while they do ("unrealized"), so the first pass's histogram
+    says how noisy the host was, not which k the policy settles on."""
     port = stack.metrics_ports["orchestrator"]
-    ks, why = chosen_k(port)
     with SpecDecodeClient(stack.address) as client:
-        for p in PROMPTS:
-            assert len(client.generate(p, max_tokens=MAX_TOKENS).token_ids) == MAX_TOKENS
+        def run_prompts() -> None:
+            for p in PROMPTS:
+                assert len(client.generate(p, max_tokens=MAX_TOKENS).token_ids) == MAX_TOKENS
+        run_prompts()
+        ks, why = chosen_k(port)
+        run_prompts()
     ks_after, why_after = chosen_k(port)
     counts = ks_after - ks
     counts[0] -= len(PROMPTS)
@@ -85,6 +93,16 @@ def decode_steps(stack: LocalStack) -> tuple[Counter, Counter]:
 def scorer_table(stack: LocalStack):
     with grpc.insecure_channel(stack.service_addresses["scorer"]) as channel:
         return RemoteScorer(channel).model_info().forward_cost
+
+
+def tables(stack: LocalStack) -> dict[str, list[list[float]]]:
+    """Both services' forward-cost tables now, in milliseconds (for a failure's message)."""
+    out = {}
+    for role, client in (("scorer", RemoteScorer), ("proposer", RemoteProposer)):
+        with grpc.insecure_channel(stack.service_addresses[role]) as channel:
+            costs = client(channel).model_info().forward_cost
+        out[role] = [[round(1e3 * s, 1) for s in line] for line in costs.seconds]
+    return out
 
 
 def wait_for_log(path: Path, text: str, timeout_s: float, after: int = 0) -> bool:
@@ -114,10 +132,11 @@ def test_a_stack_started_under_load_chooses_what_an_idle_started_one_does(cyclin
 
     with LocalStack(config(tmp_path / "idle.log")) as idle:
         idle_k, idle_why = decode_steps(idle)
+        idle_tables = tables(idle)
     # Every proposal is accepted: the idle-started stack speculates deeply (K, or a step
     # less when other work on the machine makes its times noisy).
     idle_mode = idle_k.most_common(1)[0][0]
-    assert idle_mode >= K - 1, (idle_k, idle_why)
+    assert idle_mode >= K - 1, (idle_k, idle_why, idle_tables)
 
     busy_log = tmp_path / "busy.log"
     stack = LocalStack(config(busy_log))
@@ -146,14 +165,15 @@ def test_a_stack_started_under_load_chooses_what_an_idle_started_one_does(cyclin
                                ended[0] + WITHIN_S - REFRESH_S - time.monotonic())
         busy_k, busy_why = decode_steps(stack)
         remeasured = scorer_table(stack).version
+        busy_tables = tables(stack)
     finally:
         stack.stop()
     # The busy start did not lock speculation out (the issue's k = 0 for good): it chooses
     # the idle-started stack's k, within the one step that noisy times can move it.
     assert abs(busy_k.most_common(1)[0][0] - idle_mode) <= 1 and busy_k[0] < busy_k.total() / 2, (
         f"chosen k {dict(busy_k)} after a start under load (table version {version} at start, "
-        f"{remeasured} after; adopted: {adopted}; reasons {dict(busy_why)}) vs {dict(idle_k)} "
-        f"started idle")
+        f"{remeasured} after; adopted: {adopted}; reasons {dict(busy_why)}; tables, ms: "
+        f"{busy_tables}) vs {dict(idle_k)} started idle (tables, ms: {idle_tables})")
 
 
 def test_after_a_proposer_restart_a_short_request_speculates_again(cycling_pair, tmp_path):
