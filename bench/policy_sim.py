@@ -4,7 +4,7 @@ that pays when its start-up tables are off and the host is noisy? No models, sec
     python bench/policy_sim.py [--noise 0,0.2,0.4] [--seeds 6]
 
 The pair is test_policy_recovery's (every proposal accepted). Its services' tables were
-taken from one run of that test beside two busy loops (2-core EPYC, 40a14b2): IDLE, the
+taken from one run of that test beside two busy loops (2-core EPYC, 46daa09): IDLE, the
 idle-started stack's (the host as it then ran), and BUSY, the stack started under two more
 loops (the scorer's decode 1.9x IDLE's, its 2-token verify 3.3x). A simulated step takes
 IDLE's seconds for what it runs (the draft's catch-up and k decodes, the scorer's k + 1
@@ -14,8 +14,9 @@ that (a time slice lost to another process). Three 32-token requests (prompts of
 table gives the chosen k of the second pass: its mode per seed, and the histogram and
 reasons of the last seed. Same seeds, same numbers.
 
-At 40a14b2 with noise 0.2-0.4, 1 seed in 6 of the BUSY-started policy decoded plainly for
-most of the second pass ("unrealized", "verify_too_dear"), where IDLE-started ones chose 2-4.
+At b915487 (the policy as at 0b56a55) with noise 0.2-0.4, 1 seed in 6 of the BUSY-started
+policy decoded plainly for most of the second pass ("unrealized", "verify_too_dear"), where
+IDLE-started ones chose 2-4.
 """
 
 from __future__ import annotations
