@@ -59,7 +59,8 @@ def simulate(start: dict, seed: int, noise: float) -> list[tuple[Counter, Counte
     def slowed(seconds: float) -> float:
         lost = rng.choice([1.5, 2.5, 4.0]) if rng.random() < noise else 1.0
         return seconds * lost * rng.uniform(0.9, 1.2)
-    policy = SpeculationPolicy(K, scorer_costs=tables(start)[0], draft_costs=tables(start)[1])
+    start_scorer, start_draft = tables(start)
+    policy = SpeculationPolicy(K, scorer_costs=start_scorer, draft_costs=start_draft)
     passes, seq_id = [], 0
     for _ in range(2):
         ks, why = Counter(), Counter()

@@ -90,19 +90,17 @@ def decode_steps(stack: LocalStack) -> tuple[Counter, Counter]:
     return +counts, +(why_after - why)
 
 
-def scorer_table(stack: LocalStack):
-    with grpc.insecure_channel(stack.service_addresses["scorer"]) as channel:
-        return RemoteScorer(channel).model_info().forward_cost
+def forward_cost(stack: LocalStack, role: str):
+    """The service's forward-cost table now (role: scorer | proposer)."""
+    client = RemoteScorer if role == "scorer" else RemoteProposer
+    with grpc.insecure_channel(stack.service_addresses[role]) as channel:
+        return client(channel).model_info().forward_cost
 
 
 def tables(stack: LocalStack) -> dict[str, list[list[float]]]:
     """Both services' forward-cost tables now, in milliseconds (for a failure's message)."""
-    out = {}
-    for role, client in (("scorer", RemoteScorer), ("proposer", RemoteProposer)):
-        with grpc.insecure_channel(stack.service_addresses[role]) as channel:
-            costs = client(channel).model_info().forward_cost
-        out[role] = [[round(1e3 * s, 1) for s in line] for line in costs.seconds]
-    return out
+    return {role: [[round(1e3 * s, 1) for s in line] for line in forward_cost(stack, role).seconds]
+            for role in ("scorer", "proposer")}
 
 
 def wait_for_log(path: Path, text: str, timeout_s: float, after: int = 0) -> bool:
@@ -160,11 +158,11 @@ def test_a_stack_started_under_load_chooses_what_an_idle_started_one_does(cyclin
             for loop in loops:
                 loop.kill()
         # Left alone: the scorer probes while idle, re-measures, the orchestrator adopts.
-        version = scorer_table(stack).version
+        version = forward_cost(stack, "scorer").version
         adopted = wait_for_log(busy_log, "adopting the scorer's re-measured forward costs",
                                ended[0] + WITHIN_S - REFRESH_S - time.monotonic())
         busy_k, busy_why = decode_steps(stack)
-        remeasured = scorer_table(stack).version
+        remeasured = forward_cost(stack, "scorer").version
         busy_tables = tables(stack)
     finally:
         stack.stop()

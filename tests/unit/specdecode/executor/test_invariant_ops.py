@@ -12,10 +12,10 @@ from torch import nn
 from proposer_svc.pruned_head import PrunedLMHead, prune_lm_head
 from specdecode.executor import invariant_ops
 from specdecode.executor.attention import AttnBatch, InvariantSdpaBackend
-from specdecode.executor.invariant_ops import (MAX_TILE, ROW_TILE, WIDE_MIN, SMALL_TILES, RowTiledLinear,
-                                               block_sizes, equal_tiles, is_row_invariant,
-                                               make_row_invariant, tiled_linear,
-                                               wide_tile_allowed, wide_tile_for)
+from specdecode.executor.invariant_ops import (MAX_TILE, ROW_TILE, SMALL_TILES, WIDE_MIN,
+                                               RowTiledLinear, block_sizes, equal_tiles,
+                                               is_row_invariant, make_row_invariant,
+                                               tiled_linear, wide_tile_allowed, wide_tile_for)
 from specdecode.models.tiny_models import TinyModelSpec, build_tiny_model
 
 CPU = torch.device("cpu")
