@@ -53,6 +53,10 @@ class ForwardCosts:
     # in traffic that the grid lacks.
     _drifting: int = field(default=0, repr=False, compare=False)
     _cheaper: int = field(default=0, repr=False, compare=False)  # of those, running cheaper
+    # DRIFT_RUN ran cheaper in a row since the table was measured: kept until it is replaced
+    # (the cell follows its live forwards, so the run itself ends within a few of them, and a
+    # service whose traffic never paused for DRIFT_RUN forwards' worth never saw it)
+    _ran_cheaper: bool = field(default=False, repr=False, compare=False)
     rows_seen: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self):
@@ -109,18 +113,21 @@ class ForwardCosts:
             off = seconds > DRIFT * cell or cheaper
             self._drifting = self._drifting + 1 if off else 0
             self._cheaper = self._cheaper + 1 if cheaper else 0
+            self._ran_cheaper = self._ran_cheaper or self._cheaper >= DRIFT_RUN
             self.seconds[i][j] += LIVE_WEIGHT * (seconds - cell)
             self._monotone()
         return True
 
     def stale(self) -> bool:
-        """Live forwards drifted off the table, or traffic runs row counts it lacks."""
-        return self._drifting >= DRIFT_RUN or bool(self.rows_seen)
+        """Live forwards drifted off the table (or ran cheaper since it was measured), or
+        traffic runs row counts it lacks."""
+        return self._drifting >= DRIFT_RUN or self.too_dear()
 
     def too_dear(self) -> bool:
         """Stale in the way that can lock speculation off: live forwards ran cheaper than
-        their cells (a table taken on a busy host), or traffic ran row counts it lacks."""
-        return self._cheaper >= DRIFT_RUN or bool(self.rows_seen)
+        their cells since it was measured (a table taken on a busy host), or traffic ran row
+        counts it lacks."""
+        return self._ran_cheaper or bool(self.rows_seen)
 
     def replace(self, measured: ForwardCosts | None) -> None:
         """Take a re-measured table's grid (a new version; None: keep this one, the
@@ -131,6 +138,7 @@ class ForwardCosts:
                 self.seconds = [list(line) for line in measured.seconds]
                 self.version += 1
             self._drifting = self._cheaper = 0
+            self._ran_cheaper = False
             self.rows_seen = set()
 
     def ratio(self, other: ForwardCosts) -> float:

@@ -15,6 +15,10 @@ a table ~1.8x too dear), when
 - or, with no traffic at all, a probe (a decode and a one-row forward at the widest width,
   every PROBE_S while idle) is off the table's by DRIFT twice in a row.
 
+Where the host's load lasts (LASTING_S), tables are probed under it too, and only one that
+reads too dear (live forwards or probes ran cheaper, or new row counts) is re-measured under
+it: that one locks speculation off; one that reads dearer waits for a quiet host.
+
 A call arriving meanwhile stops the cell being timed at its next module (the service's own
 work yields to traffic, specdecode.serving.model_access), and the re-measurement with it; it starts
 again at the next idle spell. The new table replaces the old (a new version, which the
@@ -76,7 +80,7 @@ class Recalibrator:
         self.held_since: float | None = None  # ... and the idle service held back since
         self.measured = costs.snapshot()  # the last table measured whole (not the live cells)
         self.idle_s, self.probe_s = idle_s, probe_s
-        self.off = 0  # consecutive probes off the table
+        self.off = self.cheaper = 0  # consecutive probes off the table, of them cheaper
         self.next_probe = time.monotonic() + probe_s
 
     def start(self) -> None:
@@ -93,67 +97,83 @@ class Recalibrator:
 
     async def step(self) -> bool:
         """One check: re-measure if the table is stale; True when it was replaced."""
-        stale = self.costs.stale()
-        if not self._idle(lasting=self.costs.too_dear()):
+        idle = self._idle()
+        if idle is None:
             return False
         try:
-            if not stale:
-                if time.monotonic() < self.next_probe or not await self._probe_off():
+            if self.costs.stale():
+                dear = self.costs.too_dear()
+            elif time.monotonic() < self.next_probe:
+                return False
+            else:
+                off = await self._probe()
+                if off is None:
                     return False
-            return await self.remeasure(lasting=self.costs.too_dear())
+                dear = off == "cheaper"
+            if idle == "lasting" and not dear:
+                return False
+            return await self.remeasure(lasting=dear)
         except ForwardStopped:  # a call came during a cell: it went first
             return False
 
-    def _idle(self, lasting: bool = False) -> bool:
-        """No call for idle_s, no other process kept the host's CPUs busy since the last
-        check (the other service's traffic on a shared host, another tenant), and none did
-        within a random back-off before: two idle services on one host that both start to
-        time see each other as load and both stop; held for different times, one goes
-        first and the other finds it busy, until it is done. `lasting` (a table stale the
-        way that locks speculation off: ForwardCosts.too_dear): a service held back by the
-        host's load for lasting_s counts as idle (the load is the host's condition), whether
-        that load was busy at every check or came and went: under busy loops that stay a
-        table missing the row counts traffic ran was never re-measured, and beside work that
-        came and went neither (each busy check renewed the back-off; CI's proposer, stale
-        after traffic of 2 and 3 rows, waited 50 s). A table whose live forwards ran dearer
-        waits for a quiet host: timed beside the other service's plain decodes, a proposer
-        slowed them for 45 s and published a table x1.98 dearer, and the policy decoded
-        plainly meanwhile (adaptive_bench, Q&A: 0.78x own k=0)."""
+    def _idle(self) -> str | None:
+        """"quiet": no call for idle_s, no other process kept the host's CPUs busy since
+        the last check (the other service's traffic on a shared host, another tenant), and
+        none did within a random back-off before: two idle services on one host that both
+        start to time see each other as load and both stop; held for different times, one
+        goes first and the other finds it busy, until it is done. "lasting": no call for
+        idle_s, but the host's load held the service back for lasting_s, busy at every
+        check or now and then (the load is the host's condition): only a table that reads
+        too dear is timed under it, since that one locks speculation off (ForwardCosts.
+        too_dear, or probes that ran cheaper). Under busy loops that stay, a table missing
+        the row counts traffic ran was never re-measured, beside work that came and went
+        neither (each busy check renewed the back-off; CI's proposer, stale after traffic
+        of 2 and 3 rows, waited 50 s), and a start-up table timed under heavier load was
+        never probed: its verify cells stayed 6-12x its decode (the policy's
+        verify_too_dear) for as long as two busy loops ran beside the stack. A table whose
+        forwards read dearer waits for a quiet host: timed beside the other service's plain
+        decodes, a proposer slowed them for 45 s and published a table x1.98 dearer, and
+        the policy decoded plainly meanwhile (adaptive_bench, Q&A: 0.78x own k=0).
+        None: not idle."""
         if self.model.idle_for() < self.idle_s:
             self.held_since = None
-            return False
+            return None
         now = time.monotonic()
         if self.host.busy():
             self.held_until = now + random.uniform(0.5, 1.0) * self.backoff_s
         elif now >= self.held_until:
             self.held_since = None
-            return True
+            return "quiet"
         self.held_since = now if self.held_since is None else self.held_since
-        return lasting and now - self.held_since >= self.lasting_s
+        return "lasting" if now - self.held_since >= self.lasting_s else None
 
-    async def _probe_off(self) -> bool:
-        """A probe: a decode and a one-row forward at the table's widest width; True when two
-        probes in a row had either off the table's by DRIFT (the second follows the first at
-        once). The wide cell too: a host's load can inflate a wide forward many times more
-        than a decode (two threads stalled on a busy core), and a probe of the decode alone
-        then found the table right while every verify it priced read 3x too dear."""
+    async def _probe(self) -> str | None:
+        """A probe: a decode and a one-row forward at the table's widest width. Returns
+        "cheaper" when two probes in a row read either cheaper than the table by DRIFT,
+        "off" when two in a row had either off it either way (the second follows the first
+        at once), else None. The wide cell too: a host's load can inflate a wide forward
+        many times more than a decode (two threads stalled on a busy core), and a probe of
+        the decode alone then found the table right while every verify it priced read 3x
+        too dear."""
         widest = self.measured.max_width
         probe = Calibration(self.runner, 1, widest, context=PROBE_CONTEXT)
         try:
-            off = False
+            off = cheaper = False
             for width in sorted({1, widest}):
                 seconds = await self.model.run(probe.cell, 1, width, traffic=False)
                 table = self.measured(1, width)
-                off = off or seconds > DRIFT * table or seconds * DRIFT < table
+                cheaper = cheaper or seconds * DRIFT < table
+                off = off or cheaper or seconds > DRIFT * table
         finally:
             probe.close()  # nothing of it stays in the cache
         self.off = self.off + 1 if off else 0
+        self.cheaper = self.cheaper + 1 if cheaper else 0
         self.next_probe = time.monotonic() + (0.0 if self.off == 1 else self.probe_s)
-        return self.off >= 2
+        return "cheaper" if self.cheaper >= 2 else "off" if self.off >= 2 else None
 
     async def remeasure(self, lasting: bool = False) -> bool:
-        """Every cell of the table (and the row counts traffic added), while idle (or, for
-        a stale table, under a load that lasts: `_idle`); False
+        """Every cell of the table (and the row counts traffic added), while quiet (or, for
+        a table too dear, `lasting`, also under a load that lasts: `_idle`); False
         when a call came between two cells or nothing moved, ForwardStopped when one came
         during a cell (either way it is tried again at the next idle spell)."""
         rows = merged_rows(self.costs.rows, self.costs.rows_seen)
@@ -164,14 +184,16 @@ class Recalibrator:
             for r in rows:
                 line = []
                 for w in widths:
-                    if not self._idle(lasting):
+                    idle = self._idle()
+                    if idle is None or idle == "lasting" and not lasting:
                         return False
                     line.append(await self.model.run(session.cell, r, w, traffic=False))
                 table.append(line)
         finally:
             session.close()
         measured = ForwardCosts(rows, widths, table)
-        self.off, self.next_probe, self.held_since = 0, time.monotonic() + self.probe_s, None
+        self.off = self.cheaper = 0
+        self.next_probe, self.held_since = time.monotonic() + self.probe_s, None
         moved = self.measured.ratio(measured)
         if rows == self.measured.rows and 1 / DRIFT <= moved <= DRIFT:
             self.costs.replace(None)  # the table was right: no new version

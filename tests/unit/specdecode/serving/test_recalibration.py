@@ -198,6 +198,20 @@ def test_drift_and_new_row_counts_in_traffic_make_a_table_stale(runner):
     assert merged_rows([1, 4], {2, 3, 5, 9, 12, 16, 20, 33, 40}) == [1, 2, 3, 4, 5, 9, 12, 40]
 
 
+def test_a_table_that_ran_cheaper_stays_too_dear_until_it_is_replaced():
+    """Live decodes DRIFT_RUN in a row cheaper than their cell (a start-up table timed under
+    heavier load): the cell follows them, so later ones read right, and the evidence that
+    the table was too dear used to end with the run; traffic that never paused for as long
+    saw it gone by the time it idled, and the verify cells no traffic ran stayed dear."""
+    costs = ForwardCosts([1], [1, 2], [[0.1, 1.0]])
+    for _ in range(40):
+        costs.observe(1, 1, 0.01)
+    assert costs(1, 1) < 0.01 * DRIFT and costs._cheaper == 0  # the cell has followed
+    assert costs.too_dear() and costs.stale()
+    costs.replace(None)
+    assert not costs.too_dear() and not costs.stale()
+
+
 def test_row_counts_seen_in_traffic_are_measured_when_idle(runner):
     costs = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
     costs.observe(3, 2, 1.0)  # traffic ran 3 rows
@@ -226,8 +240,7 @@ def test_no_probe_or_remeasure_while_other_work_holds_the_host(runner):
 def test_a_stale_table_is_remeasured_under_a_load_that_lasts(runner):
     """Traffic ran row counts the table lacks (stale) while other work keeps the host busy
     at every check: nothing is timed until the load has lasted lasting_s, then the table is
-    re-measured under it (the load is the host's condition). A table that is not stale is
-    never probed under load, however long it lasts."""
+    re-measured under it (the load is the host's condition)."""
     stale = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
     stale.observe(3, 2, 1.0)  # traffic ran 3 rows
     recalibrator = Recalibrator(runner, stale, idle_access(), idle_s=1.0, probe_s=0.0,
@@ -238,18 +251,35 @@ def test_a_stale_table_is_remeasured_under_a_load_that_lasts(runner):
     assert asyncio.run(steps(2)) == [False, False] and stale.version == 0
     time.sleep(0.35)
     assert asyncio.run(steps(1)) == [True] and stale.rows == [1, 3] and stale.version == 1
-    right = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 50.0)
-    probing = Recalibrator(runner, right, idle_access(), idle_s=1.0, probe_s=0.0,
-                           host=Host(busy=True), backoff_s=0.0, lasting_s=0.0)
-    assert asyncio.run(probing.step()) is False and probing.off == 0 and right.version == 0
+
+
+def test_under_a_lasting_load_probes_remeasure_only_a_table_too_dear(runner):
+    """No traffic, other work busy at every check for lasting_s: a start-up table timed
+    under a heavier load (50x too dear) is probed, two probes in a row read it cheaper, and
+    it is re-measured under the lasting load (before, nothing was probed under any load, and
+    a stack started under four busy loops kept its 6-12x verify cells, decoding plainly,
+    for as long as two loops ran beside it: CI beside busy loops). A table that probes read
+    dearer (5x too cheap: timed on a quiet host, probed beside the load) waits for a quiet
+    host, however long the load lasts."""
+    true = calibrate(runner, rows=(1,), tokens=(1, 2, 3), repeats=2)
+    dear, cheap = scaled(true, 50.0), scaled(true, 0.2)
+    recalibrators = [Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0,
+                                  host=Host(busy=True), backoff_s=0.0, lasting_s=0.0)
+                     for costs in (dear, cheap)]
+
+    async def steps(n: int) -> list[list[bool]]:
+        return [[await r.step() for r in recalibrators] for _ in range(n)]
+    assert asyncio.run(steps(3)) == [[False, False], [True, False], [False, False]]
+    assert dear.version == 1 and dear(1, 1) < 0.2 * 50 * true(1, 1)
+    assert cheap.version == 0 and recalibrators[1].off >= 1 and recalibrators[1].cheaper == 0
 
 
 def test_a_stale_table_is_remeasured_under_a_load_that_comes_and_goes(runner):
     """Stale, beside work that is busy at every other check: each busy check renews the
     back-off and the quiet ones fall inside it, so without a bound the table waited for
     ever (CI's proposer: no re-measurement in 50 s after traffic of 2 and 3 rows); held back
-    lasting_s in all, it is re-measured under the load. A table that is not stale is
-    never timed beside that load."""
+    lasting_s in all, it is re-measured under the load. A table that probes read dearer
+    (too cheap) is never re-measured beside that load."""
 
     class Flickering(Host):
         def busy(self) -> bool:
@@ -258,17 +288,17 @@ def test_a_stale_table_is_remeasured_under_a_load_that_comes_and_goes(runner):
 
     stale = calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1)
     stale.observe(3, 2, 1.0)  # traffic ran 3 rows
-    right = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 50.0)
+    cheap = scaled(calibrate(runner, rows=(1,), tokens=(1, 2), repeats=1), 0.2)
     recalibrators = [Recalibrator(runner, costs, idle_access(), idle_s=1.0, probe_s=0.0,
                                   host=Flickering(), backoff_s=60.0, lasting_s=0.3)
-                     for costs in (stale, right)]
+                     for costs in (stale, cheap)]
 
     async def steps(n: int) -> list[list[bool]]:
         return [[await r.step() for r in recalibrators] for _ in range(n)]
     assert asyncio.run(steps(3)) == [[False, False]] * 3 and stale.version == 0
     time.sleep(0.35)
     assert asyncio.run(steps(2)) == [[True, False], [False, False]]
-    assert stale.rows == [1, 3] and stale.version == 1 and right.version == 0
+    assert stale.rows == [1, 3] and stale.version == 1 and cheap.version == 0
 
 
 def test_under_a_lasting_load_only_a_table_too_dear_is_remeasured(runner):
