@@ -25,7 +25,8 @@ async def serve_proposer(options: ServerOptions, model: ModelOptions,
     def load():
         loaded = build_proposer(model, draft_vocab_size, draft_confidence)
         if loaded.runner is not None:  # a draft model (the n-gram proposer has none)
-            upkeep.attach(loaded.runner, loaded.info.forward_cost, "proposer")
+            upkeep.attach(loaded.runner, loaded.info.forward_cost, "proposer",
+                          loaded.cost_cache)
         export_grammar_metrics(loaded.grammars, "proposer")
         log.info("proposer ready: %s", loaded.info)
         return {"proposer": loaded.proposer, "info": loaded.info, "grammars": loaded.grammars}

@@ -10,7 +10,8 @@ from proposer_svc.draft import DraftModelProposer
 from proposer_svc.ngram import NgramProposer
 from proposer_svc.pruned_head import prune_lm_head
 from specdecode.wire import codec
-from specdecode.executor.calibration import calibrate, calibration_widths
+from specdecode.executor.calibration import calibration_widths
+from specdecode.executor.cost_cache import CostCache, calibrate_or_reuse, cost_cache
 from specdecode.interfaces import SpeculativeProposer
 from specdecode.grammar.matcher import Grammars
 from specdecode.model_info import NGRAM, ModelInfo
@@ -35,12 +36,14 @@ class LoadedProposer:
     info: ModelInfo
     runner: ModelRunner | None  # the draft model's; None for the n-gram proposer
     grammars: Grammars | None = None  # None: drafts ignore grammars (n-gram, no tokenizer)
+    cost_cache: CostCache | None = None  # where its forward-cost table is kept
 
 
 def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
                    draft_confidence: float = 0.0) -> LoadedProposer:
     """The proposer that `options` name: "ngram", or a draft model loaded from its path,
-    its forward costs measured (calibration.calibrate). draft_vocab_size: the draft scores
+    its forward costs measured (calibration.calibrate) or kept from an earlier start
+    (cost_cache). draft_vocab_size: the draft scores
     only that many most frequent token ids (0 = all; proposer_svc.pruned_head);
     draft_confidence: a draft stops after a token it was less sure of (0 = never;
     proposer_svc.draft)."""
@@ -49,15 +52,19 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
     if draft_vocab_size < 0:
         raise ValueError(f"draft_vocab_size: must be >= 0, got {draft_vocab_size}")
     runner, fingerprint = load_runner(options)
-    kept = prune_lm_head(runner.model, resolve_model_dir(options.model), draft_vocab_size)
+    model_dir = resolve_model_dir(options.model)
+    kept = prune_lm_head(runner.model, model_dir, draft_vocab_size)
     log.info("draft head scores %d of %d token ids", kept, runner.vocab_size)
-    costs = calibrate(runner, tokens=calibration_widths(options.calibration_width,
-                                                        catch_up=True))
+    cache = cost_cache(options.cost_cache, model_dir, "proposer", options,
+                       device=str(runner.device), draft_vocab_size=draft_vocab_size)
+    costs = calibrate_or_reuse(runner, cache, calibration_widths(options.calibration_width,
+                                                                 catch_up=True))
     grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
     info = model_info_for(runner, options, fingerprint, role="proposer", forward_cost=costs,
                           structured_output=grammars is not None)
     worker = ModelWorker(runner, "draft", grammars)
-    return LoadedProposer(DraftModelProposer(worker, draft_confidence), info, runner, grammars)
+    return LoadedProposer(DraftModelProposer(worker, draft_confidence), info, runner, grammars,
+                          cache)
 
 
 class ProposerServicer(ModelServicer, proposer_service_pb2_grpc.ProposerServiceServicer):

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 from scorer_svc.methods import SCORING_CHOICES, make_scorer
 from specdecode.wire import codec
-from specdecode.executor.calibration import calibrate, calibration_widths
+from specdecode.executor.calibration import calibration_widths
+from specdecode.executor.cost_cache import CostCache, calibrate_or_reuse, cost_cache
 from specdecode.interfaces import SpeculativeScorer
 from specdecode.model_info import ModelInfo
 from specdecode.grammar.matcher import Grammars
+from specdecode.models.checkpoints import resolve_model_dir
 from specdecode.models.model_loading import ModelOptions, load_grammars, load_runner, model_info_for
 from specdecode.executor.model_runner import ModelRunner
 from specdecode.errors import fields_of
@@ -26,21 +28,25 @@ class LoadedScorer:
     info: ModelInfo
     runner: ModelRunner  # the target model's
     grammars: Grammars | None  # None: the model has no tokenizer (no structured output)
+    cost_cache: CostCache | None = None  # where its forward-cost table is kept
 
 
 def build_scorer(options: ModelOptions, scoring: str) -> LoadedScorer:
-    """The target model loaded from `options`, its forward costs measured
-    (calibration.calibrate), scored by the method named `scoring` (auto: per call, by cost)."""
+    """The target model loaded from `options`, its forward costs measured (calibration.
+    calibrate) or kept from an earlier start (cost_cache), scored by the method named
+    `scoring` (auto: per call, by cost)."""
     if scoring not in SCORING_CHOICES:
         raise ValueError(f"scoring: must be one of {', '.join(SCORING_CHOICES)}, got {scoring!r}")
     runner, fingerprint = load_runner(options)
-    costs = calibrate(runner, tokens=calibration_widths(options.calibration_width))
+    cache = cost_cache(options.cost_cache, resolve_model_dir(options.model), "scorer", options,
+                       device=str(runner.device))
+    costs = calibrate_or_reuse(runner, cache, calibration_widths(options.calibration_width))
     grammars = load_grammars(options, runner.vocab_size, runner.max_cached_sequences)
     info = model_info_for(runner, options, fingerprint, role="scorer",
                           scoring_method=scoring, forward_cost=costs,
                           structured_output=grammars is not None)
     worker = ModelWorker(runner, "target", grammars)
-    return LoadedScorer(make_scorer(scoring, worker, costs), info, runner, grammars)
+    return LoadedScorer(make_scorer(scoring, worker, costs), info, runner, grammars, cache)
 
 
 class ScorerServicer(ModelServicer, scorer_service_pb2_grpc.ScorerServiceServicer):

@@ -91,7 +91,8 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_hos
 
 
 def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
-             compile_mode, compile_cache, deterministic, calibration_width, tls_client_auth,
+             compile_mode, compile_cache, cost_cache, deterministic, calibration_width,
+             tls_client_auth,
              max_batch_seqs,
              max_speculative_tokens, max_batch_tokens, sequence_lease_seconds, **server):
     """run(ServerOptions, ModelOptions, ServiceLimits): the proposer or scorer, after its TLS
@@ -105,7 +106,7 @@ def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_
     return run(options, ModelOptions(model, device, dtype, max_model_len, kv_cache_memory,
                                      max_num_seqs, compile_mode,
                                      resolve_deterministic(deterministic, dtype),
-                                     calibration_width, compile_cache),
+                                     calibration_width, compile_cache, cost_cache),
                ServiceLimits(max_batch_seqs, max_speculative_tokens, max_batch_tokens,
                              sequence_lease_seconds))
 

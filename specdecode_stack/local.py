@@ -98,6 +98,7 @@ class StackConfig:
     # off, and where compiled graphs are kept across restarts (None: inductor's default)
     compile_mode: str = "auto"
     compile_cache: str | None = None
+    cost_cache: str | None = None  # where the services keep their cost tables (None: not kept)
     # Draft the next proposal while this one is scored: auto (where it pays: never when
     # proposer and scorer share cores, as here unless pinned apart), on, off (lockstep).
     async_drafting: str = "auto"
@@ -191,6 +192,7 @@ class LocalStack:
         model_args = ["--device", c.device, "--dtype", c.dtype, "--deterministic",
                       c.deterministic, "--compile", c.compile_mode,
                       *(["--compile-cache", c.compile_cache] if c.compile_cache else []),
+                      *(["--cost-cache", c.cost_cache] if c.cost_cache else []),
                       "--calibration-width", str(c.num_speculative_tokens + 1),
                       *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])]
         serving = on_serving or (lambda role: None)

@@ -148,6 +148,11 @@ compile_cache_option = opt(
     "--compile-cache", default=DEFAULTS.compile_cache,
     help="Directory where compiled graphs are kept, so that a restart reloads them "
          "(inductor's caches; default: $TORCHINDUCTOR_CACHE_DIR, else under /tmp).")
+cost_cache_option = opt(
+    "--cost-cache", default=DEFAULTS.cost_cache,
+    help="Directory where the measured forward-cost table is kept, so that a restart on the "
+         "same host takes it after timing two forwards instead of every cell (keyed by the "
+         "model, its options, torch, the threads and the CPU; default: not kept).")
 async_drafting_option = opt("--async-drafting", default=DEFAULTS.async_drafting,
                             type=click.Choice(ASYNC_DRAFTING), help=ASYNC_DRAFTING_HELP)
 
@@ -166,6 +171,7 @@ model_options = option_group(
         help="Most sequences the KV cache keeps (least recently used are evicted)."),
     compile_option,
     compile_cache_option,
+    cost_cache_option,
     deterministic_option,
     opt("--calibration-width", default=DEFAULTS.num_speculative_tokens + 1,
         type=click.IntRange(1),
@@ -367,6 +373,7 @@ stack_model_options = option_group(
     deterministic_option,
     compile_option,
     compile_cache_option,
+    cost_cache_option,
 )
 
 stack_speculation_options = option_group(

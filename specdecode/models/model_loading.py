@@ -33,6 +33,7 @@ class ModelOptions:
     # max k + 1 (specdecode.cost_model).
     calibration_width: int = CALIBRATION_WIDTH
     compile_cache: str | None = None  # inductor's cache directory (TORCHINDUCTOR_CACHE_DIR)
+    cost_cache: str | None = None  # where the forward-cost table is kept (executor.cost_cache)
 
 
 def resolve_deterministic(mode: str, dtype: str) -> bool:

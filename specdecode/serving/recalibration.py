@@ -35,6 +35,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from specdecode.cost_model import DRIFT, ForwardCosts
 from specdecode.executor.calibration import Calibration
@@ -73,8 +74,11 @@ class Recalibrator:
 
     def __init__(self, runner: ModelRunner, costs: ForwardCosts, model: ModelAccess,
                  idle_s: float = IDLE_S, probe_s: float = PROBE_S, host: HostLoad | None = None,
-                 backoff_s: float = BACKOFF_S, lasting_s: float = LASTING_S):
+                 backoff_s: float = BACKOFF_S, lasting_s: float = LASTING_S,
+                 on_replace: Callable[[ForwardCosts], None] | None = None):
+        """on_replace: called with each new table (specdecode.executor.cost_cache keeps it)."""
         self.runner, self.costs, self.model = runner, costs, model
+        self.on_replace = on_replace
         self.host, self.backoff_s, self.lasting_s = host or HostLoad(), backoff_s, lasting_s
         self.held_until = 0.0  # the host was busy: nothing is timed before this ...
         self.held_since: float | None = None  # ... and the idle service held back since
@@ -200,6 +204,8 @@ class Recalibrator:
             return False
         self.costs.replace(measured)
         self.measured = measured
+        if self.on_replace is not None:
+            self.on_replace(measured)
         log.info("forward costs re-measured while idle (x%.2f the old table's, rows %s): "
                  "version %d", moved, rows, self.costs.version)
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 from specdecode.cost_model import ForwardCosts
 from specdecode.executor.calibration import attach_live_costs
 from specdecode.executor.compile_mode import BackgroundCompile
+from specdecode.executor.cost_cache import CostCache
 from specdecode.executor.model_runner import ModelRunner
 from specdecode.serving.model_access import ModelAccess
 from specdecode.serving.model_metrics import export_runner_metrics
@@ -21,12 +22,15 @@ class RunnerUpkeep:
         self.access = access
         self._background: list[Recalibrator | BackgroundCompile] = []
 
-    def attach(self, runner: ModelRunner, costs: ForwardCosts, role: str) -> None:
+    def attach(self, runner: ModelRunner, costs: ForwardCosts, role: str,
+               cache: CostCache | None = None) -> None:
         """At load: export the runner's metrics as `role`'s, keep `costs` fresh from its
-        forwards, and prepare the work that starts once the service serves."""
+        forwards (each re-measured table kept in `cache`), and prepare the work that starts
+        once the service serves."""
         export_runner_metrics(runner, role)
         attach_live_costs(runner, costs)
-        self._background.append(Recalibrator(runner, costs, self.access))
+        self._background.append(Recalibrator(runner, costs, self.access,
+                                             on_replace=cache.save if cache else None))
         if BackgroundCompile.needed(runner):
             self._background.append(BackgroundCompile(runner))
 

@@ -28,11 +28,11 @@ ORCHESTRATOR_SERVICE = component_name("orchestrator")
 
 # The CLI contract (`specdecode serve <component> --help`): the flags each server takes.
 CLI_FLAGS = {
-    "proposer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache", "--host",
-                 "--port", "--metrics-port",
+    "proposer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache",
+                 "--cost-cache", "--host", "--port", "--metrics-port",
                  "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb", "--calibration-width"},
-    "scorer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache", "--scoring",
-               "--host", "--port",
+    "scorer": {"--model", "--device", "--dtype", "--deterministic", "--compile", "--compile-cache",
+               "--cost-cache", "--scoring", "--host", "--port",
                "--metrics-port", "--grace-seconds", "--sequence-lease-seconds", "--max-message-mb",
                "--calibration-width"},
     "orchestrator": {"--proposer", "--scorer", "--tokenizer", "--num-speculative-tokens", "--host", "--port",
@@ -175,6 +175,7 @@ def test_values_reach_the_flags(helm):
         assert args_map(server(docs, component))["--compile"] == "on"
         assert args_map(server(helm.render(), component))["--compile"] == "auto"
         assert args_map(server(docs, component))["--compile-cache"].startswith("/cache/")
+        assert args_map(server(docs, component))["--cost-cache"].startswith("/cache/")
     assert {args_map(server(docs, c))["--sequence-lease-seconds"] for c in ("proposer", "scorer")} == {"45"}
     for component in ("proposer", "scorer"):  # their cost tables time every verify width
         assert args_map(server(docs, component))["--calibration-width"] == "8"
