@@ -1,8 +1,8 @@
-"""A service's forward-cost table kept on disk across restarts (`--cost-cache DIR`; docs/
-design.md, *Forward costs*): timing every cell at start-up is most of a restart (Qwen 1.5B
-bf16 on 2 cores: ~80 of the 90 s before the scorer served with `--compile on`), and the table
-a restarted process would time on the same host is the one it timed before, or the one its
-idle re-measurements replaced it with.
+"""A service's forward-cost table kept on disk across restarts (`--cost-cache DIR`;
+docs/design.md, *The policy on every host*, kept across restarts): timing every cell at
+start-up was most of a restart (a Qwen 1.5B bf16 scorer on 2 cores served 81-103 s after
+spawning, 12 s with its table kept), and the table a restarted process would time on the
+same host is the one it timed before, or the one its idle re-measurements replaced it with.
 
 A table is kept under a key of everything its times depend on: the model's files (names and
 sizes), the service's role and options (dtype, device, numerics, compile mode, the draft's
