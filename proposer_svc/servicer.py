@@ -43,10 +43,9 @@ def build_proposer(options: ModelOptions, draft_vocab_size: int = 0,
                    draft_confidence: float = 0.0) -> LoadedProposer:
     """The proposer that `options` name: "ngram", or a draft model loaded from its path,
     its forward costs measured (calibration.calibrate) or kept from an earlier start
-    (cost_cache). draft_vocab_size: the draft scores
-    only that many most frequent token ids (0 = all; proposer_svc.pruned_head);
-    draft_confidence: a draft stops after a token it was less sure of (0 = never;
-    proposer_svc.draft)."""
+    (cost_cache). draft_vocab_size: the draft scores only that many most frequent token
+    ids (0 = all; proposer_svc.pruned_head); draft_confidence: a draft stops after a token
+    it was less sure of (0 = never; proposer_svc.draft)."""
     if options.model == NGRAM:
         return LoadedProposer(NgramProposer(NGRAM_INFO.max_model_len), NGRAM_INFO, None)
     if draft_vocab_size < 0:

@@ -22,8 +22,7 @@ async def serve_scorer(options: ServerOptions, model: ModelOptions, scoring: str
 
     def load():
         loaded = build_scorer(model, scoring)
-        upkeep.attach(loaded.runner, loaded.info.forward_cost, "scorer",
-                          loaded.cost_cache)
+        upkeep.attach(loaded.runner, loaded.info.forward_cost, "scorer", loaded.cost_cache)
         export_grammar_metrics(loaded.grammars, "scorer")
         log.info("scorer ready: %s", loaded.info)
         return {"scorer": loaded.scorer, "info": loaded.info, "grammars": loaded.grammars}

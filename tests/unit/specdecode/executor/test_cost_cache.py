@@ -39,8 +39,8 @@ def model_dir(tmp_path):
 
 
 def cache_for(directory, model_dir, **options) -> cc.CostCache:
-    return cc.cost_cache(str(directory), model_dir, "scorer", ModelOptions(str(model_dir), **options),
-                         device="cpu")
+    options = ModelOptions(str(model_dir), **options)
+    return cc.cost_cache(str(directory), model_dir, "scorer", options, device="cpu")
 
 
 def scaled(costs: ForwardCosts, factor: float) -> ForwardCosts:
