@@ -30,7 +30,8 @@ target-only's greedy output up to and including its first end token (adaptive_be
 rule), HF assisted against HF target-only's whole output. Columns: tokens/s (batch 1: the
 median over prompts and repeats; streams: all tokens over the wall time), ratio to lockstep's
 best and to HF assisted's best (same class), acceptance, lookahead hits / lookahead rows,
-equal tokens. Run it alone (`../shared/bin/measure`); rows are printed and appended to
+equal tokens, and runs whose whole output is the setup's lockstep-at-adaptive-k output
+(same prompt, batch 1: greedy, every stack path must agree). Run it alone (`../shared/bin/measure`); rows are printed and appended to
 bench/results/async_<pair>.jsonl as they run, the table and JSON at the end.
 """
 
@@ -179,8 +180,11 @@ def main(parts, dtype, classes, max_tokens, repeats, lockstep_k, hf_k, vllm_pyth
     report(rec.rows, pair, dtype, max_tokens, time.perf_counter() - start, results)
 
 
-def summary(key, rs, runs, tps, refs, hf_whole) -> dict:
-    """One (setup, path, streams, class)'s line; ratios within the same setup's class."""
+def summary(key, rs, runs, tps, refs, hf_whole, lockstep) -> dict:
+    """One (setup, path, streams, class)'s line; ratios within the same setup's class;
+    outputs against HF target-only's (refs) and against the setup's lockstep at adaptive k
+    (lockstep: (setup, prompt) -> its batch-1 tokens; the stack's paths must agree, and a
+    run without the hf part has no other reference)."""
     setup, path, streams, cls = key
 
     def best(setup: str, prefix: str, streams: int) -> float | None:
@@ -195,13 +199,16 @@ def summary(key, rs, runs, tps, refs, hf_whole) -> dict:
     pairs = [(r["token_ids"], (hf_whole if path.startswith("HF") else refs).get(r["prompt"]))
              for r in mine]
     pairs = [(a, b) for a, b in pairs if a and b]
+    alike = [r["token_ids"] == lockstep[r["setup"], r["prompt"]] for r in mine
+             if (r["setup"], r["prompt"]) in lockstep]
     return {"setup": setup, "path": path, "streams": streams, "class": cls,
             "tokens_per_s": tps[key], "vs_lockstep_best": tps[key] / lock if lock else None,
             "vs_hf_assisted_best": tps[key] / hf if hf and streams == 1 else None,
             "acceptance": sum(r["accepted"] for r in mine) / draft if draft else None,
             "lookahead_hits": h, "lookahead_rows": h + m,
             "equal": (f"{sum(x == y for a, b in pairs for x, y in zip(a, b))}/"
-                      f"{sum(len(b) for _, b in pairs)}") if pairs else "-"}
+                      f"{sum(len(b) for _, b in pairs)}") if pairs else "-",
+            "same_as_lockstep": f"{sum(alike)}/{len(alike)}" if alike else "-"}
 
 
 def report(rows: list[dict], pair: str, dtype: str, max_tokens: int, seconds: float,
@@ -215,15 +222,19 @@ def report(rows: list[dict], pair: str, dtype: str, max_tokens: int, seconds: fl
                  else rs[0]["tokens"] / rs[0]["seconds"]) for key, rs in groups.items()}
     refs = {r["prompt"]: r["greedy_to_eos"] for r in runs if r["path"] == "HF target-only"}
     hf_whole = {r["prompt"]: r["token_ids"] for r in runs if r["path"] == "HF target-only"}
-    out = [summary(key, rs, runs, tps, refs, hf_whole) for key, rs in sorted(groups.items())]
+    lockstep = {(r["setup"], r["prompt"]): r["token_ids"] for r in runs
+                if r["path"] == BASE and r["streams"] == 1}
+    out = [summary(key, rs, runs, tps, refs, hf_whole, lockstep)
+           for key, rs in sorted(groups.items())]
     show(f"{'Qwen2.5-Coder 0.5B -> 1.5B' if pair == 'qwen' else 'tiny pair'}, CPU {dtype}, "
          f"greedy, {max_tokens} tokens/prompt; {seconds / 60:.1f} min",
          ("setup", "path", "streams", "class", "tokens/s", "vs lockstep best",
-          "vs HF assisted best", "acceptance", "lookahead hits", "equal to target"),
+          "vs HF assisted best", "acceptance", "lookahead hits", "equal to target",
+          "same as lockstep"),
          [(r["setup"], r["path"], r["streams"], r["class"], fmt(r["tokens_per_s"]),
            ratio(r["vs_lockstep_best"]), ratio(r["vs_hf_assisted_best"]), fmt(r["acceptance"]),
            f"{r['lookahead_hits']:.0f}/{r['lookahead_rows']:.0f}" if r["lookahead_rows"] else "-",
-           r["equal"]) for r in out], width=180)
+           r["equal"], r["same_as_lockstep"]) for r in out], width=200)
     print("wrote", save(results / f"async_{pair}_{dtype}.json", dtype=dtype,
                         max_tokens=max_tokens, minutes=seconds / 60, rows=out))
 

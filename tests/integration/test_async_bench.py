@@ -1,5 +1,6 @@
 """bench/async_bench.py in CI size (tiny pair, seconds of work): the two-host setup's stacks
-start pinned, every path runs, and its outputs are compared with HF target-only's."""
+start pinned, every path runs, and its outputs are compared with HF target-only's and with
+lockstep's."""
 
 from __future__ import annotations
 
@@ -29,3 +30,6 @@ def test_async_bench_runs_every_path_and_checks_its_outputs(tmp_path):
     equal, compared = map(int, rows[("two hosts", "defaults")]["equal"].split("/"))
     assert 1 <= compared <= 4 and equal == compared
     assert rows[("two hosts", "lockstep k<=8")]["vs_lockstep_best"] == 1.0
+    # Greedy: every stack path gives the tokens lockstep at adaptive k gave, to the end.
+    assert rows[("two hosts", "defaults")]["same_as_lockstep"] == "1/1"
+    assert rows[("one core", "HF target-only")]["same_as_lockstep"] == "-"
