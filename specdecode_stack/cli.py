@@ -92,9 +92,8 @@ def _server(host, port, metrics_port, grace_seconds, max_message_mb, metrics_hos
 
 def _service(run, model, device, dtype, max_model_len, kv_cache_memory, max_num_seqs,
              compile_mode, compile_cache, cost_cache, deterministic, calibration_width,
-             tls_client_auth,
-             max_batch_seqs,
-             max_speculative_tokens, max_batch_tokens, sequence_lease_seconds, **server):
+             tls_client_auth, max_batch_seqs, max_speculative_tokens, max_batch_tokens,
+             sequence_lease_seconds, **server):
     """run(ServerOptions, ModelOptions, ServiceLimits): the proposer or scorer, after its TLS
     rule (specdecode.serving.tls.check_client_auth, inside the run: a refusal is one line, the
     warning a log line)."""
