@@ -31,8 +31,9 @@ rule), HF assisted against HF target-only's whole output. Columns: tokens/s (bat
 median over prompts and repeats; streams: all tokens over the wall time), ratio to lockstep's
 best and to HF assisted's best (same class), acceptance, lookahead hits / lookahead rows,
 equal tokens, and runs whose whole output is the setup's lockstep-at-adaptive-k output
-(same prompt, batch 1: greedy, every stack path must agree). Run it alone (`../shared/bin/measure`); rows are printed and appended to
-bench/results/async_<pair>.jsonl as they run, the table and JSON at the end.
+(same prompt, batch 1: greedy, every stack path must agree). Run it alone
+(`../shared/bin/measure`); rows are printed and appended to bench/results/async_<pair>.jsonl
+as they run, the table and JSON at the end.
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ DRIFT = 1.3  # a live forward this far off its cell (either way) ...
 DRIFT_RUN = 3  # ... this many times in a row: the table is stale, re-measure it
 
 
+def drift(seconds: float, cell: float) -> int:
+    """A timing against its table cell: -1 cheaper by DRIFT, 1 dearer by DRIFT, else 0 (the
+    one rule live forwards, idle probes and a restart's check of a kept table share)."""
+    return -1 if seconds * DRIFT < cell else 1 if seconds > DRIFT * cell else 0
+
+
 def _interp(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through (xs, ys); linear extrapolation from the end segments."""
     if len(xs) == 1:
@@ -109,8 +115,8 @@ class ForwardCosts:
             return False
         with self._lock:
             cell = self.seconds[i][j]
-            cheaper = seconds * DRIFT < cell
-            off = seconds > DRIFT * cell or cheaper
+            moved = drift(seconds, cell)
+            cheaper, off = moved < 0, moved != 0
             self._drifting = self._drifting + 1 if off else 0
             self._cheaper = self._cheaper + 1 if cheaper else 0
             self._ran_cheaper = self._ran_cheaper or self._cheaper >= DRIFT_RUN

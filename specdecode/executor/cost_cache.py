@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.cost_model import DRIFT, ForwardCosts
+from specdecode.cost_model import ForwardCosts, drift
 from specdecode.executor.calibration import CALIBRATION_ROWS, Calibration, calibrate
 from specdecode.executor.model_runner import ModelRunner
 
@@ -115,14 +115,14 @@ def cost_cache(directory: str | None, model_dir: Path, role: str, options: objec
 def agrees(runner: ModelRunner, table: ForwardCosts) -> bool:
     """A decode and a one-row forward at the table's widest width, each timed (after the
     process's first forwards, which pay for thread pools and kernel choices), within DRIFT
-    of the table's cells."""
+    of the table's cells (cost_model.drift)."""
     widest = table.max_width
     probe = Calibration(runner, 1, widest)
     try:
         probe.warm_up(1, widest)
         for width in sorted({1, widest}):
             seconds, cell = probe.cell(1, width), table(1, width)
-            if seconds > DRIFT * cell or seconds * DRIFT < cell:
+            if drift(seconds, cell):
                 log.info("kept forward costs off at width %d (%.1f ms, kept %.1f ms): timing "
                          "every cell", width, 1e3 * seconds, 1e3 * cell)
                 return False

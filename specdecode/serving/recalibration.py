@@ -37,7 +37,7 @@ import random
 import time
 from collections.abc import Callable
 
-from specdecode.cost_model import DRIFT, ForwardCosts
+from specdecode.cost_model import DRIFT, ForwardCosts, drift
 from specdecode.executor.calibration import Calibration
 from specdecode.serving.host_load import HostLoad
 from specdecode.serving.model_access import ForwardStopped, ModelAccess
@@ -166,8 +166,8 @@ class Recalibrator:
             for width in sorted({1, widest}):
                 seconds = await self.model.run(probe.cell, 1, width, traffic=False)
                 table = self.measured(1, width)
-                cheaper = cheaper or seconds * DRIFT < table
-                off = off or cheaper or seconds > DRIFT * table
+                moved = drift(seconds, table)
+                cheaper, off = cheaper or moved < 0, off or moved != 0
         finally:
             probe.close()  # nothing of it stays in the cache
         self.off = self.off + 1 if off else 0
