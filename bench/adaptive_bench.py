@@ -11,8 +11,8 @@ constant k, best reported), then the stack (three processes on loopback) at its 
 (adaptive k, auto scoring), at k=0 (requests with num_speculative_tokens=0: plain decoding
 through the same stack), at fixed k for both scorers (the draft proposes k tokens every step:
 no early stop), with the draft head the defaults do not use (whole, or pruned), and with the
-n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "4 streams" runs the
-four classes concurrently. Columns: tokens/s (batch 1: the median over prompts and repeats),
+n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "streams" runs every
+prompt concurrently (`--stream-rounds N`: N requests per stream, one after the other). Columns: tokens/s (batch 1: the median over prompts and repeats),
 ratio to HF target-only (same prompts), acceptance, mean chosen k per sequence-step
 (orchestrator metric specdecode_chosen_k), and tokens equal to the reference (below).
 `--quick` uses one prompt per class and short
@@ -72,8 +72,9 @@ class Run:
     """One dtype's paths, each run's row kept as it comes."""
 
     def __init__(self, rec: Recorder, classes, max_tokens: int, repeats: int, dtype: str,
-                 target_dir, draft_dir):
+                 target_dir, draft_dir, rounds: int = 1):
         self.rec, self.classes, self.max_tokens, self.repeats = rec, classes, max_tokens, repeats
+        self.rounds = rounds  # requests per stream, one after the other (stack_generate)
         self.prompts = [ids for _, ids in classes]
         self.dtype, self.target_dir, self.draft_dir = dtype, target_dir, draft_dir
 
@@ -98,7 +99,8 @@ class Run:
         self.add(path, outs, chosen)
 
     def streams(self, path: str, stack: LocalStack, k: int | None = None) -> None:
-        outs, wall, chosen = stack_generate(stack, self.prompts, self.max_tokens, k, len(self.prompts))
+        outs, wall, chosen = stack_generate(stack, self.prompts, self.max_tokens, k,
+                                            len(self.prompts), self.rounds)
         self.add(path, outs, chosen, wall, streams=len(self.prompts))
 
     def paired(self, label_a: str, label_b: str, stack: LocalStack, a, b) -> None:
@@ -222,6 +224,9 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
 @click.option("--ngram-k-max", default=str(StackConfig.num_speculative_tokens), show_default=True,
               help="The n-gram stack's --num-speculative-tokens (the most the policy picks), "
                    "one server per value.")
+@click.option("--stream-rounds", default=1, show_default=True,
+              help="streams: requests per stream, one after the other (1: all prompts at once, "
+                   "timed to the last; more: a steady load, the tail only at the end).")
 @click.option("--results", default="bench/results", show_default=True, type=click.Path(path_type=Path),
               help="Where the JSON (and the JSON lines of each run) go.")
 @click.option("--pair", default="qwen", type=click.Choice(["qwen", "tiny"]), show_default=True,
@@ -242,7 +247,8 @@ def run_parts(run: Run, parts: set[str], fixed: list[int], be_ks: list[int], hf_
 @click.option("--vllm-k", default="0,4", show_default=True,
               help="The vllm part's draft_model k, one server each (0: the target alone).")
 def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft_vocab,
-         ngram_k_max, busy_wait, parts, results, pair, vllm_python, vllm_k) -> None:
+         ngram_k_max, stream_rounds, busy_wait, parts, results, pair, vllm_python,
+         vllm_k) -> None:
     max_tokens = max_tokens or (16 if quick else 32)
     be_ks, hf_ks = (ints(("4" if quick else "2,4,8") if x is None else x) for x in (be_k, hf_k))
     target_dir, draft_dir, encode = pair_dirs(pair)
@@ -250,7 +256,7 @@ def main(dtypes, quick, max_tokens, repeats, classes, fixed_k, be_k, hf_k, draft
     for dtype in dtypes.split(","):
         start = time.perf_counter()
         rec = Recorder(results / f"adaptive_{pair}_{dtype}_{isa()}.jsonl")
-        run = Run(rec, classes, max_tokens, repeats, dtype, target_dir, draft_dir)
+        run = Run(rec, classes, max_tokens, repeats, dtype, target_dir, draft_dir, stream_rounds)
         run_parts(run, set(parts.split(",")), ints(fixed_k), be_ks, hf_ks, draft_vocab,
                   ints(ngram_k_max), busy_wait, (vllm_python, ints(vllm_k), results))
         report(rec.rows, classes, dtype, max_tokens, time.perf_counter() - start, pair, results)

@@ -279,15 +279,28 @@ def _mean(before, after, at: int) -> float:  # at 0: chosen k, 2: predicted spee
 
 
 def stack_generate(stack: LocalStack, prompts: list[list[int]], max_tokens: int,
-                   k: int | None, streams: int) -> tuple[list[Outcome], float, float]:
+                   k: int | None, streams: int, rounds: int = 1
+                   ) -> tuple[list[Outcome], float, float]:
     """Outcomes per prompt (one at a time, or all at once when streams > 1), wall seconds
-    for all, and (streams > 1) the mean chosen k per sequence-step over all of them."""
-    def one(ids):
+    for all, and (streams > 1) the mean chosen k per sequence-step over all of them. With
+    rounds > 1 each stream sends its prompt that many times, one request after the other
+    (a server's steady load: the batch stays full until the last round, where requests
+    started at once and timed to the last end in a tail of 1-3 rows whenever speculation
+    lets some finish first); its outcome sums the rounds' tokens and seconds."""
+    def request(ids) -> Outcome:
         with SpecDecodeClient(stack.address, timeout_s=3600) as client:
             start = time.perf_counter()
             r = client.generate(ids, max_tokens=max_tokens, num_speculative_tokens=k)
             return Outcome(len(r.token_ids), time.perf_counter() - start, r.token_ids,
                            r.usage.draft_tokens, r.usage.accepted_tokens)
+
+    def one(ids) -> Outcome:
+        runs = [request(ids) for _ in range(rounds)]
+        # [rounds]: greedy output is the same every round; one that differs is the one kept
+        ids_kept = next((o.token_ids for o in runs if o.token_ids != runs[0].token_ids),
+                        runs[0].token_ids)
+        return Outcome(sum(o.tokens for o in runs), sum(o.seconds for o in runs), ids_kept,
+                       sum(o.draft for o in runs), sum(o.accepted for o in runs))
     port, start = stack.metrics_ports["orchestrator"], time.perf_counter()
     if streams == 1:
         outs = []

@@ -215,10 +215,11 @@ class SpecDecodeEngine:
         self._settle_ahead(stats)
         stats.total_s = time.perf_counter() - start
         log.debug("step: k %s (%s; predicted %.2fx plain, best %.2fx), proposed %s, emitted %d "
-                  "of %d drafted; %.0f ms (propose %.0f, score %.0f)", plan.ks,
+                  "of %d drafted; %.0f ms, predicted %.0f (propose %.0f, score %.0f)", plan.ks,
                   ",".join(plan.reasons), plan.speedup, plan.best_speedup,
                   proposals.proposal_lens.tolist(), stats.emitted_tokens, stats.draft_tokens,
-                  1e3 * stats.total_s, 1e3 * stats.propose_s, 1e3 * stats.score_s)
+                  1e3 * stats.total_s, 1e3 * plan.seconds, 1e3 * stats.propose_s,
+                  1e3 * stats.score_s)
         stats.observe_services({role: step_stats(counters[role], after, stats.total_s)
                                 for role, after in self._service_counters().items()})
         # A step whose proposer failed or timed out (orchestrator.cluster.fanout) says nothing

@@ -58,6 +58,29 @@ def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_
     assert "first differs" not in r.stdout  # no output left its reference
 
 
+def test_adaptive_bench_streams_send_their_rounds_one_after_the_other(tmp_path):
+    """--stream-rounds 2: each of the two streams sends its prompt twice, one request after
+    the other (a steady load, not a batch timed to its last request): each stream's row sums
+    both requests' tokens, and its output (greedy, the same each round) equals the target's."""
+    r = subprocess.run(
+        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--max-tokens",
+         "6", "--parts", "ref,streams", "--classes", "code,qa", "--stream-rounds", "2", "--dtypes",
+         "float32", "--results", str(tmp_path)], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = [json.loads(line) for line in
+            (tmp_path / "adaptive_tiny_float32_native.jsonl").read_text().splitlines()]
+    streams = [row for row in runs if row["streams"] == 2 and row["class"] != "all"]
+    assert {row["path"] for row in streams} == {"stack defaults", "stack k=0"}
+    assert all(row["tokens"] == 2 * 6 for row in streams), streams
+    totals = [row for row in runs if row["class"] == "all"]
+    assert all(row["tokens"] == 2 * 2 * 6 for row in totals), totals
+    result = json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
+    rows = [row for row in result["rows"] if row["streams"] == 2]  # both prompts' outputs
+    assert len(rows) == 2 and all(row["compared_tokens"] > 0 for row in rows), rows
+    assert all(row["equal_tokens"] == row["compared_tokens"] for row in rows), rows
+
+
 @pytest.mark.slow  # ~55 s; CI has the busy start in tests/integration/test_policy_recovery.py
 def test_adaptive_bench_runs_a_stack_started_under_load(tmp_path):
     """--parts busy: a stack started while busy loops held every core generates (its row
