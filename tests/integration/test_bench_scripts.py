@@ -30,6 +30,19 @@ def test_policy_trace_prints_every_steps_plan_and_the_cost_tables(tmp_path):
         assert table in r.stdout
 
 
+def run_adaptive(tmp_path, *args: str,
+                 timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    """adaptive_bench on the tiny pair in fp32, its results under tmp_path: (the run, its
+    JSON)."""
+    r = subprocess.run(
+        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--dtypes",
+         "float32", "--results", str(tmp_path), *args], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
+
+
 def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_token(tmp_path):
     """The tiny pair's target ends its Q&A answer within 4 tokens (an end token in its
     generation config, as the real pair's `<|im_end|>`). HF target-only is held past it by
@@ -37,13 +50,8 @@ def test_adaptive_bench_compares_the_stack_with_the_greedy_output_up_to_its_end_
     over all 8 tokens they differ at the end token (the old table's "3/8" on every stack
     path); up to and including it they are equal, and the stack's paths equal each other
     over all 8."""
-    r = subprocess.run(
-        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--max-tokens",
-         "8", "--parts", "ref,defaults", "--classes", "qa", "--dtypes", "float32",
-         "--results", str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
+    r, result = run_adaptive(tmp_path, "--max-tokens", "8", "--parts", "ref,defaults",
+                             "--classes", "qa")
     end = result["greedy_ends"]["qa"]
     assert 1 <= end <= 4
     rows = {row["path"]: row for row in result["rows"]}
@@ -62,12 +70,8 @@ def test_adaptive_bench_streams_send_their_rounds_one_after_the_other(tmp_path):
     """--stream-rounds 2: each of the two streams sends its prompt twice, one request after
     the other (a steady load, not a batch timed to its last request): each stream's row sums
     both requests' tokens, and its output (greedy, the same each round) equals the target's."""
-    r = subprocess.run(
-        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--max-tokens",
-         "6", "--parts", "ref,streams", "--classes", "code,qa", "--stream-rounds", "2", "--dtypes",
-         "float32", "--results", str(tmp_path)], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _, result = run_adaptive(tmp_path, "--max-tokens", "6", "--parts", "ref,streams",
+                             "--classes", "code,qa", "--stream-rounds", "2")
     runs = [json.loads(line) for line in
             (tmp_path / "adaptive_tiny_float32_native.jsonl").read_text().splitlines()]
     streams = [row for row in runs if row["streams"] == 2 and row["class"] != "all"]
@@ -75,7 +79,6 @@ def test_adaptive_bench_streams_send_their_rounds_one_after_the_other(tmp_path):
     assert all(row["tokens"] == 2 * 6 for row in streams), streams
     totals = [row for row in runs if row["class"] == "all"]
     assert all(row["tokens"] == 2 * 2 * 6 for row in totals), totals
-    result = json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
     rows = [row for row in result["rows"] if row["streams"] == 2]  # both prompts' outputs
     assert len(rows) == 2 and all(row["compared_tokens"] > 0 for row in rows), rows
     assert all(row["equal_tokens"] == row["compared_tokens"] for row in rows), rows
@@ -85,13 +88,8 @@ def test_adaptive_bench_streams_send_their_rounds_one_after_the_other(tmp_path):
 def test_adaptive_bench_runs_a_stack_started_under_load(tmp_path):
     """--parts busy: a stack started while busy loops held every core generates (its row
     beside HF target-only's greedy output, equal to it)."""
-    r = subprocess.run(
-        [sys.executable, "bench/adaptive_bench.py", "--pair", "tiny", "--quick", "--max-tokens",
-         "4", "--parts", "ref,busy", "--busy-wait", "0", "--classes", "code", "--dtypes",
-         "float32", "--results", str(tmp_path)], cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=540)
-    assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads((tmp_path / "adaptive_tiny_float32_native.json").read_text())
+    _, result = run_adaptive(tmp_path, "--max-tokens", "4", "--parts", "ref,busy",
+                             "--busy-wait", "0", "--classes", "code", timeout=540)
     rows = {row["path"]: row for row in result["rows"]}
     assert rows["stack defaults, started under load, 0 s after"]["equal"] == "4/4"
 
