@@ -12,7 +12,8 @@ constant k, best reported), then the stack (three processes on loopback) at its 
 through the same stack), at fixed k for both scorers (the draft proposes k tokens every step:
 no early stop), with the draft head the defaults do not use (whole, or pruned), and with the
 n-gram proposer (defaults vs its own k=0). Batch 1 runs each prompt alone; "streams" runs every
-prompt concurrently (`--stream-rounds N`: N requests per stream, one after the other). Columns: tokens/s (batch 1: the median over prompts and repeats),
+prompt concurrently (`--stream-rounds N`: N requests per stream, one after the other).
+Columns: tokens/s (batch 1: the median over prompts and repeats),
 ratio to HF target-only (same prompts), acceptance, mean chosen k per sequence-step
 (orchestrator metric specdecode_chosen_k), and tokens equal to the reference (below).
 `--quick` uses one prompt per class and short

@@ -156,7 +156,7 @@ def test_a_catch_up_is_priced_packed_as_the_runner_runs_it():
     """A request joins three decoding ones 20 tokens behind: the draft's first forward
     reads 20 + 1 + 1 + 1 tokens, packed (the runner pads no row), so it costs the table at
     4 rows of their mean width. Priced padded to the longest (4 x 20 tokens) a join's
-    catch-up read 3.8x dearer here (2.5x on the Qwen draft's table)."""
+    catch-up read 4x dearer here (3.8x on the Qwen draft's start-up table)."""
     widths = [1, 2, 4, 8, 16, 32]
     costs = ForwardCosts([1, 4], widths, [[0.01 + 0.001 * rows * w for w in widths]
                                           for rows in (1, 4)])  # 1 ms a token
